@@ -1,0 +1,108 @@
+"""The contract an SWA composite allocator meets to be checked by kvproof (component ``swa_allocator``).
+
+Method names and tensor conventions are SGLang's ``SWATokenToKVPoolAllocator`` /
+``SWAKVPool`` (sglang_semantics.md §1.5, §2.7, §2.8), so SGLang's own classes fit
+through a thin adapter. Two differences, both about *signalling*:
+
+* failure is raised, never returned: ``OutOfMemory`` when a pool is short (state
+  unchanged), ``InvalidOperation`` for misuse (state unchanged), both from
+  ``kvproof.reference.errors``. An adapter turns SGLang's ``None`` into
+  ``OutOfMemory``.
+* the allocator reports what it holds through :meth:`snapshot`; the harness never
+  reads private fields.
+
+Index tensors are ``int64`` on ``device`` (``*_cpu`` twins on the CPU); KV tensors
+are ``(n, head_num, head_dim)`` in the config's dtype. An implementation is built
+by a factory ``Callable[[PoolConfig], SWAAllocatorUnderTest]`` and declares what it
+supports in ``capabilities``: rules needing an undeclared capability are reported as
+not applicable and counted, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvproof.reference.config import PoolConfig
+from kvproof.reference.snapshot import AllocatorSnapshot
+
+__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "AllocatorFactory"]
+
+
+class Capability(str, enum.Enum):
+    """Optional parts of the contract; declared by the implementation, never sniffed."""
+
+    ALLOC = "alloc"  # bulk alloc(need_size) in whole pages (SGLang: page_size == 1 only)
+    ALLOC_EXTEND = "alloc_extend"
+    ALLOC_DECODE = "alloc_decode"
+    ALLOC_EXTEND_SWA_TAIL = "alloc_extend_swa_tail"
+    FREE_FULL = "free_full"  # 0.5.23: release full slots whose SWA side is already released
+    BACKUP_RESTORE = "backup_restore"  # backup_state / restore_state (gone in SGLang 0.5.23)
+    CPU_COPY = "cpu_copy"  # get_cpu_copy / load_cpu_copy with swa_mask
+    KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer
+    REJECTS_MISUSE = "rejects_misuse"  # raises InvalidOperation for observable misuse, state unchanged
+    EXACT_PAGE_ORDER = "exact_page_order"  # hands out pages in the reference's (SGLang 0.5.23) order
+
+
+@runtime_checkable
+class KVPoolUnderTest(Protocol):
+    """The KV buffers behind the allocator (``SWAKVPool``)."""
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        """Write rows for full slots ``loc``; SWA layers write at ``translate(loc)``."""
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole K and V buffers, indexed by pool slot (SWA slots for SWA layers)."""
+
+
+@runtime_checkable
+class SWAAllocatorUnderTest(Protocol):
+    """``SWATokenToKVPoolAllocator``'s surface, failure by exception, observation by snapshot."""
+
+    capabilities: frozenset[Capability]
+    device: str | torch.device
+
+    def alloc(self, need_size: int) -> torch.Tensor: ...
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
+                     seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int) -> torch.Tensor: ...
+
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor: ...
+
+    def alloc_extend_swa_tail(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
+                              seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
+                              swa_tail_len: int) -> torch.Tensor: ...
+
+    def free(self, free_index: torch.Tensor) -> None: ...
+
+    def free_swa(self, free_index: torch.Tensor) -> None: ...
+
+    def free_full(self, free_index: torch.Tensor) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def backup_state(self) -> object: ...
+
+    def restore_state(self, state: object) -> None: ...
+
+    def available_size(self) -> int: ...
+
+    def full_available_size(self) -> int: ...
+
+    def swa_available_size(self) -> int: ...
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor: ...
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> object: ...
+
+    def load_cpu_copy(self, kv_cache_cpu: object, indices: torch.Tensor) -> None: ...
+
+    def get_kvcache(self) -> KVPoolUnderTest: ...
+
+    def snapshot(self) -> AllocatorSnapshot: ...
+
+
+AllocatorFactory = Callable[[PoolConfig], SWAAllocatorUnderTest]

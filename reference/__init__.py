@@ -1,0 +1,27 @@
+"""``kvproof.reference``: a pydantic-typed, pure-Python reference of the KV pools.
+
+Frozen models for configs and states (:mod:`.config`, :mod:`.swa_allocator`),
+pure operations named exactly like SGLang's methods, and one error taxonomy
+(:mod:`.errors`). Stateful wrappers live at the edge (``kvproof.conformance``).
+Semantics: ../shared/research/sglang_semantics.md, cited per module.
+"""
+
+from kvproof.reference import arith, swa_allocator
+from kvproof.reference.config import KVGeometry, PoolConfig
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, PoolError
+from kvproof.reference.invariants import check_invariants
+from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
+
+__all__ = [
+    "arith",
+    "swa_allocator",
+    "KVGeometry",
+    "PoolConfig",
+    "PoolError",
+    "OutOfMemory",
+    "InvalidOperation",
+    "InvariantViolation",
+    "check_invariants",
+    "AllocatorSnapshot",
+    "PoolSnapshot",
+]

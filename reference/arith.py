@@ -1,0 +1,69 @@
+"""Page and window arithmetic shared by every layer (sglang_semantics.md §1.1, §1.3, §2.3).
+
+Pure integer functions; the Z3 models in ``kvproof.spec`` state the same formulas
+over symbolic integers, and ``tests/spec/test_drift.py`` checks they agree.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ceil_div",
+    "ceil_p",
+    "floor_p",
+    "extend_parts",
+    "num_new_pages",
+    "decode_opens_page",
+    "swa_tail_len",
+]
+
+
+def ceil_div(n: int, d: int) -> int:
+    """``ceil(n / d)`` for ``n >= 0``, ``d >= 1``."""
+    return -(-n // d)
+
+
+def ceil_p(x: int, page_size: int) -> int:
+    """``ceil_P(x)``: round ``x`` up to a multiple of the page size (§1.1)."""
+    return ceil_div(x, page_size) * page_size
+
+
+def floor_p(x: int, page_size: int) -> int:
+    """``floor_P(x)``: round ``x`` down to a multiple of the page size (§1.1)."""
+    return (x // page_size) * page_size
+
+
+def extend_parts(prefix_len: int, seq_len: int, page_size: int) -> tuple[int, int, int]:
+    """The three parts of a paged ``alloc_extend`` for one request (§1.3).
+
+    ``n1`` tokens continue the partially filled last page, ``n2`` tokens fill whole
+    new pages, ``n3`` tokens start the last new page. ``n1 + n2 + n3 == seq - prefix``.
+    """
+    n1 = min(seq_len, ceil_p(prefix_len, page_size)) - prefix_len
+    if prefix_len + n1 == seq_len:
+        return n1, 0, 0
+    n2 = floor_p(seq_len, page_size) - ceil_p(prefix_len, page_size)
+    n3 = seq_len - floor_p(seq_len, page_size)
+    return n1, n2, n3
+
+
+def num_new_pages(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """Pages one request's extend takes from the free list: ``ceil(s/P) - ceil(p/P)`` (§1.3)."""
+    return ceil_div(seq_len, page_size) - ceil_div(prefix_len, page_size)
+
+
+def decode_opens_page(seq_len: int, page_size: int) -> bool:
+    """Whether decoding token ``seq_len - 1`` opens a new page: ``(s - 1) mod P == 0`` (§1.3)."""
+    return (seq_len - 1) % page_size == 0
+
+
+def swa_tail_len(seq_len: int, window: int, page_size: int) -> int:
+    """SWA tokens a tail preallocation keeps for a sequence of ``seq_len`` tokens (§2.3).
+
+    ``ws = floor_P(max(0, L - W))``; the tail is ``L - ws``: it starts on a page
+    boundary, covers the last ``W`` positions and is at most ``W + P - 1`` long
+    (lemma D2, proved in ``kvproof.spec.swa_tail``). Models the tail-mode branch of
+    ``DecodePreallocQueue._swa_tail_len`` with a positive window.
+    """
+    if seq_len <= 0:
+        return 0
+    return seq_len - floor_p(max(0, seq_len - window), page_size)

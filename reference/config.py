@@ -1,0 +1,104 @@
+"""Frozen, validated configuration of an SWA hybrid KV pool (sglang_semantics.md §1.3-§1.5).
+
+A :class:`PoolConfig` describes one ``SWATokenToKVPoolAllocator`` + ``SWAKVPool``
+pair: the full and SWA pool sizes in tokens, the page size, the sliding window,
+and the geometry of the KV rows. Bad values are rejected at construction with a
+pydantic ``ValidationError`` (a ``ValueError``) whose message names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["KVGeometry", "PoolConfig"]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class KVGeometry(BaseModel):
+    """Shape of the KV rows: per layer one K and one V row of ``head_num x head_dim``.
+
+    Layer ids ``0..n-1`` are split between full-attention and sliding-window layers,
+    as ``SWAKVPool(swa_attention_layer_ids, full_attention_layer_ids)`` does.
+    """
+
+    model_config = _FROZEN
+
+    head_num: int = Field(default=1, ge=1, description="KV heads per layer")
+    head_dim: int = Field(default=2, ge=1, description="elements per head")
+    full_attention_layer_ids: tuple[int, ...] = Field(default=(1,), min_length=1)
+    swa_attention_layer_ids: tuple[int, ...] = Field(default=(0,), min_length=1)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _layers_partition_range(self) -> KVGeometry:
+        full, swa = self.full_attention_layer_ids, self.swa_attention_layer_ids
+        both = sorted(full + swa)
+        # each layer id is exactly one kind, ids are 0..n-1
+        if both != list(range(len(both))):
+            raise ValueError(
+                "full_attention_layer_ids and swa_attention_layer_ids must split 0..n-1 "
+                f"without overlap, got full={full} swa={swa}"
+            )
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.full_attention_layer_ids) + len(self.swa_attention_layer_ids)
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one K (or V) row."""
+        return self.head_num * self.head_dim
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return layer_id in self.swa_attention_layer_ids
+
+
+class PoolConfig(BaseModel):
+    """One SWA composite pool: full pool, SWA pool, page size, window, KV geometry.
+
+    Sizes are in tokens, as SGLang's ``size`` / ``size_swa``. Page 0 (slots
+    ``0..P-1``) is reserved in both pools (§1.4), so the KV buffers hold
+    ``size + P`` rows and the mapping ``size_full + P + 1`` entries (§1.5).
+    """
+
+    model_config = _FROZEN
+
+    size_full: int = Field(gt=0, description="full-attention pool size in tokens")
+    size_swa: int = Field(gt=0, description="sliding-window pool size in tokens")
+    page_size: int = Field(gt=0, description="tokens per page (P)")
+    sliding_window_size: int = Field(gt=0, description="sliding window in tokens (W)")
+    kv: KVGeometry = KVGeometry()
+
+    @model_validator(mode="after")
+    def _sizes_fit_pages(self) -> PoolConfig:
+        p = self.page_size
+        # a pool is a whole number of pages (the paged allocator floors size / P)
+        if self.size_full % p:
+            raise ValueError(f"size_full ({self.size_full}) must be a multiple of page_size ({p})")
+        if self.size_swa % p:
+            raise ValueError(f"size_swa ({self.size_swa}) must be a multiple of page_size ({p})")
+        # every SWA slot pairs with a full slot, so a larger SWA pool can never be used
+        if self.size_swa > self.size_full:
+            raise ValueError(f"size_swa ({self.size_swa}) must not exceed size_full ({self.size_full})")
+        return self
+
+    @property
+    def num_pages_full(self) -> int:
+        return self.size_full // self.page_size
+
+    @property
+    def num_pages_swa(self) -> int:
+        return self.size_swa // self.page_size
+
+    @property
+    def mapping_len(self) -> int:
+        """Length of ``full_to_swa_index_mapping``: one entry per full slot plus the -1 sentinel."""
+        return self.size_full + self.page_size + 1
+
+    def label(self) -> str:
+        """Short id used in test ids and reports, e.g. ``P4-W6-F32-S16``."""
+        return f"P{self.page_size}-W{self.sliding_window_size}-F{self.size_full}-S{self.size_swa}"

@@ -1,0 +1,84 @@
+"""State invariants of the SWA composite allocator (sglang_semantics.md §7: G1-G3, M1, M2, M5).
+
+:func:`check_invariants` raises :class:`InvariantViolation` naming the first broken
+invariant, with the values that break it. The reference calls nothing here on its
+own: the lockstep harness checks the reference after every step (so a bug in the
+reference cannot hide), and the tests check it on hand-built broken states.
+
+"Live" slots are the full slots handed out and not released (ghost ``fill``). The
+mapping is only constrained on live slots: released pages may keep stale entries by
+design (``restore_state``, §2.11 R3), and allocations overwrite what they hand out.
+G4 (atomic allocation), G5 (whole-page release), M3 (``free_swa``) and M4 (tail
+shape) are transition properties: the Z3 models prove them and the lockstep harness
+compares every transition against an implementation.
+"""
+
+from __future__ import annotations
+
+from kvproof.reference.errors import InvariantViolation
+from kvproof.reference.paged import PagedPool
+from kvproof.reference.swa_allocator import SWAAllocatorState, is_live
+
+__all__ = ["check_invariants", "check_pool"]
+
+
+def _ensure(condition: bool, invariant: str, message: str) -> None:
+    if not condition:
+        raise InvariantViolation(invariant, message)
+
+
+def check_pool(pool: PagedPool, name: str) -> None:
+    """G1-G3 for one pool: free pages are real, unique pages; free iff unowned."""
+    free = pool.free_pages
+    # G1: free pages are 1..num_pages, page 0 never, no duplicates
+    _ensure(all(1 <= g <= pool.num_pages for g in free), "G1", f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
+    _ensure(len(set(free)) == len(free), "G1", f"{name} free list has a duplicate page: {free}")
+    # G2: available never exceeds the pool (the only runtime over-free check upstream)
+    _ensure(pool.available_size <= pool.size, "G2", f"{name} available {pool.available_size} > size {pool.size}")
+    # G3: owners and free pages partition 1..num_pages
+    owned = {g for g in range(1, pool.num_pages + 1) if pool.owner[g] is not None}
+    _ensure(owned.isdisjoint(free), "G3", f"{name} pages both free and owned: {sorted(owned & set(free))}")
+    _ensure(len(owned) + len(free) == pool.num_pages, "G3",
+            f"{name} leaks pages: {sorted(set(range(1, pool.num_pages + 1)) - owned - set(free))}")
+    _ensure(pool.owner[0] is None, "G1", f"{name} reserved page 0 has an owner")
+
+
+def check_invariants(state: SWAAllocatorState) -> None:
+    """Raise :class:`InvariantViolation` if any of G1-G3, M1, M2, M5 fails."""
+    cfg, p, mapping = state.config, state.config.page_size, state.full_to_swa_index_mapping
+    check_pool(state.full, "full")
+    check_pool(state.swa, "swa")
+    for g in range(1, cfg.num_pages_full + 1):
+        allocated = state.full.is_allocated(g)
+        # ghost fill: a free page has no live slot, an allocated one 1..P
+        _ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3", f"page {g} has fill {state.fill[g]}")
+    # M1: sentinel, reserved page unmapped, values are 0 or real SWA slots
+    _ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")
+    _ensure(all(m == 0 for m in mapping[:p]), "M1", f"reserved page 0 is mapped: {mapping[:p]}")
+    top = (cfg.num_pages_swa + 1) * p
+    bad = [(f, m) for f, m in enumerate(mapping[:-1]) if m != 0 and not p <= m < top]
+    _ensure(not bad, "M1", f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
+    _check_live_mapping(state)
+
+
+def _check_live_mapping(state: SWAAllocatorState) -> None:
+    """M2 (as maintained) and M5 over live slots, plus: every owned SWA page is reachable."""
+    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    seen: dict[int, int] = {}
+    page_of_swa_page: dict[int, int] = {}
+    for f, s in enumerate(mapping[:-1]):
+        if s <= 0 or not is_live(state, f):
+            continue
+        g, h = f // p, s // p
+        # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
+        _ensure(state.swa.is_allocated(h), "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
+        _ensure(state.swa.owner[h] == state.full.owner[g], "M2",
+                f"full slot {f} (owner {state.full.owner[g]}) maps to SWA slot {s} of owner {state.swa.owner[h]}")
+        _ensure(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
+        seen[s] = f
+        # M5: same offset in page, and one SWA page pairs with one full page
+        _ensure(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
+        _ensure(page_of_swa_page.setdefault(h, g) == g, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
+    orphans = [h for h in range(1, state.swa.num_pages + 1) if state.swa.is_allocated(h) and h not in page_of_swa_page]
+    # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
+    _ensure(not orphans, "G3", f"SWA pages owned but mapped from no live full slot: {orphans}")
