@@ -1,1 +1,130 @@
-"""placeholder"""
+"""``kvproof`` command line: ``prove``, ``conform``, ``check`` and ``bench``.
+
+* ``kvproof prove``   -- every Z3 obligation and broken twin; non-zero exit on any failure or ``unknown``.
+* ``kvproof conform`` -- the lockstep suite against kvproof's torch runtime or ``--impl module:factory``.
+* ``kvproof check``   -- ``prove`` + ``conform`` of the built-in runtime, one summary; exit 0 only if all pass.
+* ``kvproof bench``   -- throughput and harness-overhead ratios, measured in one run.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy: harmless
+
+PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev"]),
+                       help="Hypothesis profile (kvproof.conformance.profiles).")
+CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
+                      help="Run only this pool config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
+
+
+@click.group()
+@click.version_option(package_name="kvproof")
+def main() -> None:
+    """Prove and fuzz the KV-cache memory pools of LLM serving engines."""
+
+
+@main.command()
+@click.option("--component", default=None, help="Only obligations of this component (e.g. swa_allocator).")
+@click.option("-k", "name_filter", default=None, help="Only obligations whose name contains this text.")
+@click.option("--timeout-ms", default=20_000, show_default=True, help="Solver timeout per obligation.")
+@click.option("--show-counterexamples", is_flag=True, help="Print the counterexample of every broken twin.")
+def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_counterexamples: bool) -> None:
+    """Discharge every Z3 obligation; broken twins must yield counterexamples."""
+    from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
+
+    console = Console()
+    results = run_prove(component, name_filter, timeout_ms)
+    console.print(prove_table(results))
+    print_failures(console, results, show_counterexamples=show_counterexamples)
+    bad = [r for r in results if not r.ok]
+    total = sum(r.seconds for r in results)
+    console.print(f"{len(results)} obligations, {len(bad)} failed, {total:.2f} s solver time")
+    sys.exit(1 if bad or not results else 0)
+
+
+@main.command()
+@click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
+              help="Implementation factory (PoolConfig -> allocator). Default: kvproof's torch runtime.")
+@PROFILE
+@CONFIG
+def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...]) -> None:
+    """Run the lockstep conformance suite (component swa_allocator)."""
+    from kvproof.cli.conform import conform as run_conform, conform_table
+    from kvproof.cli.impl import DEFAULT_IMPL, load_factory
+
+    console = Console()
+    spec = impl_spec or DEFAULT_IMPL
+    try:
+        factory = load_factory(spec)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--impl") from err
+    reports = run_conform(factory, spec, profile, configs, on_report=lambda r: _report_progress(console, r))
+    console.print(conform_table(reports))
+    _print_reports(console, reports)
+    sys.exit(0 if all(r.passed for r in reports) else 1)
+
+
+@main.command()
+@PROFILE
+def check(profile: str) -> None:
+    """prove + conform of the built-in runtime; exit 0 only if everything passes."""
+    from kvproof.cli.conform import conform as run_conform, conform_table
+    from kvproof.cli.impl import DEFAULT_IMPL, load_factory
+    from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
+
+    console = Console()
+    results = run_prove()
+    console.print(prove_table(results))
+    print_failures(console, results, show_counterexamples=False)
+    reports = run_conform(load_factory(DEFAULT_IMPL), DEFAULT_IMPL, profile,
+                          on_report=lambda r: _report_progress(console, r))
+    console.print(conform_table(reports))
+    _print_reports(console, reports)
+    summary = Table(title="kvproof check")
+    for col in ("part", "items", "passed", "verdict"):
+        summary.add_column(col)
+    proved = sum(r.ok for r in results)
+    conformed = sum(r.passed for r in reports)
+    rows = [("prove", len(results), proved), ("conform swa_allocator", len(reports), conformed)]
+    for part, n, ok in rows:
+        summary.add_row(part, str(n), str(ok), "[green]pass[/]" if ok == n and n else "[red]FAIL[/]")
+    console.print(summary)
+    sys.exit(0 if all(ok == n and n for _, n, ok in rows) else 1)
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="Fewer repetitions (smoke run).")
+def bench(quick: bool) -> None:
+    """Lockstep steps/s, runtime alloc_extend+free pairs/s at P=1 and P=4, harness overhead ratio."""
+    from kvproof.cli.bench import run_bench
+
+    run_bench(Console(), quick=quick)
+
+
+def _report_progress(console: Console, report) -> None:  # type: ignore[no-untyped-def]
+    verdict = "pass" if report.passed else "FAIL"
+    console.print(f"  {report.component} {report.config.label()}: {verdict} "
+                  f"({report.examples} examples, {report.steps} steps, {report.seconds:.1f} s)")
+
+
+def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untyped-def]
+    first = reports[0] if reports else None
+    if first and first.not_applicable:
+        console.print(f"not applicable (capabilities not declared): {len(first.not_applicable)} rule(s): "
+                      f"{', '.join(first.not_applicable)}")
+    for r in reports:
+        if r.never_run:
+            console.print(f"[yellow]{r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
+        if not r.passed:
+            console.print(f"\n[bold red]{r.config.label()} failed[/]", highlight=False)
+            console.print(r.failure, markup=False, highlight=False)
+            if r.failure_file:
+                console.print(f"(saved to {r.failure_file})")

@@ -1,0 +1,38 @@
+"""``kvproof conform``: the lockstep suite against an implementation, one row per pool config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rich.table import Table
+
+from kvproof.conformance.check import CheckReport, run_swa_allocator_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS, config_by_label
+from kvproof.reference.config import PoolConfig
+
+__all__ = ["conform", "conform_table"]
+
+
+def conform(factory: Callable, impl_spec: str, profile: str, labels: Sequence[str] = (),
+            on_report: Callable[[CheckReport], None] | None = None) -> list[CheckReport]:
+    configs: Sequence[PoolConfig] = [config_by_label(x) for x in labels] or CONFORMANCE_CONFIGS
+    reports = []
+    for cfg in configs:
+        replay = f"kvproof conform --impl {impl_spec} --config {cfg.label()} --profile {profile}"
+        report = run_swa_allocator_check(factory, cfg, profile=profile, impl_name=impl_spec, replay=replay)
+        reports.append(report)
+        if on_report:
+            on_report(report)
+    return reports
+
+
+def conform_table(reports: list[CheckReport]) -> Table:
+    table = Table(title="kvproof conform (swa_allocator)")
+    for col in ("config", "verdict", "examples", "steps", "ok", "OutOfMemory", "InvalidOperation", "n/a", "seconds"):
+        table.add_column(col, justify="left" if col in ("config", "verdict") else "right")
+    for r in reports:
+        verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
+        table.add_row(r.config.label(), verdict, str(r.examples), str(r.steps), str(r.outcomes.get("ok", 0)),
+                      str(r.outcomes.get("OutOfMemory", 0)), str(r.outcomes.get("InvalidOperation", 0)),
+                      str(len(r.not_applicable)), f"{r.seconds:.1f}")
+    return table

@@ -1,0 +1,115 @@
+"""``check_swa_allocator``: run the lockstep suite against any factory, with or without pytest.
+
+In the style of trio's ``check_*`` functions: the caller passes a factory
+``Callable[[PoolConfig], SWAAllocatorUnderTest]``; :func:`run_swa_allocator_check`
+returns a :class:`CheckReport` (never raises for a misbehaving implementation) and
+:func:`check_swa_allocator` raises :class:`ConformanceFailure` when the report is
+not a pass. Every failure is also written to ``.kvproof/failures/`` with the
+operation trace, Hypothesis' falsifying program and its reproduction blob, so
+nothing a run finds is lost.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import settings as Settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.protocol import AllocatorFactory, Capability
+from kvproof.conformance.swa_allocator import MISUSE_CASES, RULE_CAPABILITIES, machine_for
+from kvproof.reference.config import PoolConfig
+
+__all__ = ["CheckReport", "ConformanceFailure", "run_swa_allocator_check", "check_swa_allocator", "FAILURES_DIR"]
+
+FAILURES_DIR = Path(".kvproof/failures")
+
+
+class ConformanceFailure(AssertionError):
+    """The implementation does not conform; the message is the full verdict."""
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Outcome of one lockstep run: verdict, coverage counters, and what was not applicable."""
+
+    component: str
+    impl_name: str
+    config: PoolConfig
+    capabilities: frozenset[Capability]
+    not_applicable: tuple[str, ...]
+    rules: dict[str, int]
+    outcomes: dict[str, int]
+    steps: int
+    examples: int
+    seconds: float
+    failure: str | None = None
+    failure_file: str | None = None
+    never_run: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+def _not_applicable(caps: frozenset[Capability]) -> tuple[str, ...]:
+    rules = [name for name, needs in RULE_CAPABILITIES.items() if not needs <= caps]
+    if Capability.REJECTS_MISUSE in caps:
+        rules += [f"misuse:{case}" for case in MISUSE_CASES if _case_needs(case) - caps]
+    return tuple(rules)
+
+
+def _case_needs(case: str) -> frozenset[Capability]:
+    op = case.split(":", 1)[0]
+    return RULE_CAPABILITIES.get(op, frozenset())
+
+
+def _save_failure(text: str, impl_name: str, config: PoolConfig, directory: Path) -> str | None:
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", impl_name)[:60]
+    path = directory / f"swa_allocator-{safe}-{config.label()}-{stamp}.txt"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        return None
+    return str(path)
+
+
+def run_swa_allocator_check(factory: AllocatorFactory, config: PoolConfig, *, settings: Settings | None = None,
+                            profile: str = "ci", impl_name: str = "impl", replay: str = "",
+                            failures_dir: Path | None = FAILURES_DIR) -> CheckReport:
+    """Drive ``factory(config)`` against the reference; return the report (failures included)."""
+    settings = settings or get_profile(profile)
+    hint = f"replay: {replay}" if replay else ""
+    machine = machine_for(factory, config, impl_name=impl_name, replay_hint=hint)
+    caps = frozenset(factory(config).capabilities)
+    start, failure, saved = time.perf_counter(), None, None
+    try:
+        run_state_machine_as_test(machine, settings=settings)
+    except Exception as err:  # noqa: BLE001 - the verdict is data here
+        notes = "\n".join(getattr(err, "__notes__", []))
+        failure = f"{type(err).__name__}: {err}\n{notes}".rstrip()
+        if failures_dir is not None:
+            saved = _save_failure(failure, impl_name, config, failures_dir)
+    stats = machine.stats
+    na = _not_applicable(caps)
+    ran = {name for name, count in stats.rules.items() if count}
+    never = tuple(r for r in RULE_CAPABILITIES if r not in na and r != "misuse" and r not in ran)
+    return CheckReport("swa_allocator", impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes),
+                       stats.steps, stats.examples, time.perf_counter() - start, failure, saved, never)
+
+
+def check_swa_allocator(factory: AllocatorFactory, config: PoolConfig, *, settings: Settings | None = None,
+                        profile: str = "ci", impl_name: str = "impl") -> CheckReport:
+    """Like :func:`run_swa_allocator_check` but raise :class:`ConformanceFailure` on a failure."""
+    report = run_swa_allocator_check(factory, config, settings=settings, profile=profile, impl_name=impl_name)
+    if not report.passed:
+        where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
+        raise ConformanceFailure(f"{impl_name} [{config.label()}]: {report.failure}{where}")
+    return report

@@ -1,0 +1,161 @@
+"""Compare an implementation's snapshot with the reference up to a renaming of pages.
+
+Which free page an allocator hands out is its own choice (sglang_semantics.md §8
+item 10: even SGLang's releases differ), so the harness keeps two partial
+bijections, reference page -> implementation page, one per pool, over the pages
+currently allocated:
+
+* a full page is bound when an allocation returns its slots (:meth:`Renaming.bind_full`);
+* an SWA page is bound the first time a live full slot is seen mapped into it;
+* a binding is dropped when the reference releases the page, and the partner page
+  must then be free in the implementation too.
+
+Under this renaming the observable state must be equal: the number of free pages
+per pool, which pages are allocated, the mapping ``M`` on every live slot (0 vs
+non-zero, and to the corresponding SWA slot with the same in-page offset), and
+the KV rows of live slots (compared in :mod:`kvproof.conformance.swa_allocator`).
+With ``Capability.EXACT_PAGE_ORDER`` the renaming must be the identity and the free
+lists equal element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvproof.reference import swa_allocator as ref
+from kvproof.reference.snapshot import AllocatorSnapshot
+
+__all__ = ["Divergence", "Renaming"]
+
+
+class Divergence(AssertionError):
+    """The implementation's observable state differs from the reference's."""
+
+
+def _diverge(what: str) -> None:
+    raise Divergence(what)
+
+
+@dataclass
+class _PageMap:
+    """A partial bijection between reference and implementation pages of one pool."""
+
+    pool: str
+    exact: bool
+    forward: dict[int, int] = field(default_factory=dict)
+    backward: dict[int, int] = field(default_factory=dict)
+
+    def bind(self, ref_page: int, impl_page: int, why: str) -> None:
+        if self.exact and ref_page != impl_page:
+            _diverge(f"{why}: {self.pool} page {ref_page} in the reference is page {impl_page} in the "
+                     "implementation, but it declares EXACT_PAGE_ORDER")
+        known = self.forward.get(ref_page)
+        if known is not None:
+            if known != impl_page:
+                _diverge(f"{why}: {self.pool} page {ref_page} corresponds to implementation page {known}, "
+                         f"but now to {impl_page}")
+            return
+        holder = self.backward.get(impl_page)
+        if holder is not None:
+            _diverge(f"{why}: implementation {self.pool} page {impl_page} is handed out again while it still "
+                     f"holds reference page {holder} (aliasing: two owners share one page)")
+        self.forward[ref_page] = impl_page
+        self.backward[impl_page] = ref_page
+
+    def prune(self, still_allocated: set[int], impl_free: set[int]) -> None:
+        """Forget pages the reference released; their partners must be free in the implementation."""
+        for ref_page in [g for g in self.forward if g not in still_allocated]:
+            impl_page = self.forward.pop(ref_page)
+            del self.backward[impl_page]
+            if impl_page not in impl_free:
+                _diverge(f"{self.pool} page {ref_page} was released in the reference, but its implementation "
+                         f"page {impl_page} is still allocated (leak or missed free)")
+
+
+@dataclass
+class Renaming:
+    """Both page bijections of one lockstep run."""
+
+    page_size: int
+    exact: bool
+    full: _PageMap = field(init=False)
+    swa: _PageMap = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.full = _PageMap("full", self.exact)
+        self.swa = _PageMap("swa", self.exact)
+
+    def reset(self) -> None:
+        self.__post_init__()
+
+    def impl_slot(self, ref_slot: int) -> int:
+        """The implementation's full slot for a live reference full slot."""
+        p = self.page_size
+        return self.full.forward[ref_slot // p] * p + ref_slot % p
+
+    def bind_full(self, op: str, ref_slots: Sequence[int], impl_slots: Sequence[int]) -> None:
+        """Bind the pages of an allocation's result, slot by slot."""
+        p = self.page_size
+        if len(ref_slots) != len(impl_slots):
+            _diverge(f"{op} returned {len(impl_slots)} slots, the reference {len(ref_slots)}")
+        for r, i in zip(ref_slots, impl_slots, strict=True):
+            if r % p != i % p:
+                _diverge(f"{op}: a token at in-page offset {r % p} in the reference got implementation slot {i} "
+                         f"(offset {i % p})")
+            self.bind_full_page(op, r // p, i // p)
+
+    def bind_full_page(self, why: str, ref_page: int, impl_page: int) -> None:
+        if impl_page == 0:
+            _diverge(f"{why}: the implementation handed out a slot of the reserved page 0")
+        self.full.bind(ref_page, impl_page, why)
+
+    def compare(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
+        """Raise :class:`Divergence` unless ``snap`` equals ``state`` under the renaming."""
+        self._compare_pools(state, snap)
+        self.full.prune(_allocated(state.full.owner), set(snap.full.free_pages))
+        self.swa.prune(_allocated(state.swa.owner), set(snap.swa.free_pages))
+        self._compare_mapping(state, snap)
+        impl_full_free, impl_swa_free = set(snap.full.free_pages), set(snap.swa.free_pages)
+        for pool, pages, free in (("full", self.full, impl_full_free), ("swa", self.swa, impl_swa_free)):
+            taken = sorted(set(pages.backward) & free)
+            if taken:
+                _diverge(f"implementation {pool} pages {taken} hold live data but are in its free list")
+
+    def _compare_pools(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
+        for name, mine, theirs in (("full", state.full, snap.full), ("swa", state.swa, snap.swa)):
+            if (theirs.page_size, theirs.num_pages) != (mine.page_size, mine.num_pages):
+                _diverge(f"{name} pool geometry: implementation P={theirs.page_size} pages={theirs.num_pages}, "
+                         f"reference P={mine.page_size} pages={mine.num_pages}")
+            if len(theirs.free_pages) != len(mine.free_pages):
+                _diverge(f"{name} pool: implementation has {len(theirs.free_pages)} free pages "
+                         f"{list(theirs.free_pages)}, reference {len(mine.free_pages)} {list(mine.free_pages)}")
+            if len(set(theirs.free_pages)) != len(theirs.free_pages):
+                _diverge(f"{name} pool: implementation free list has a duplicate page {list(theirs.free_pages)}")
+            if 0 in theirs.free_pages:
+                _diverge(f"{name} pool: implementation free list contains the reserved page 0")
+            if self.exact and theirs.free_pages != mine.free_pages:
+                _diverge(f"{name} pool order: implementation free list {list(theirs.free_pages)}, reference "
+                         f"{list(mine.free_pages)} (EXACT_PAGE_ORDER declared)")
+        if snap.full_to_swa_index_mapping[-1:] != (-1,):
+            _diverge("implementation mapping lost its trailing -1 sentinel")
+
+    def _compare_mapping(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
+        p, mine, theirs = self.page_size, state.full_to_swa_index_mapping, snap.full_to_swa_index_mapping
+        for g in _allocated(state.full.owner):
+            for r in range(g * p, g * p + state.fill[g]):
+                i = self.impl_slot(r)
+                m, mi = mine[r], theirs[i]
+                if m == 0 and mi != 0:
+                    _diverge(f"M[{r}] is 0 in the reference (no SWA slot), but the implementation maps its slot "
+                             f"{i} to SWA slot {mi} (stale mapping: free_swa would release that page)")
+                if m > 0 and mi <= 0:
+                    _diverge(f"M[{r}] = {m} in the reference, but the implementation maps its slot {i} to {mi}")
+                if m > 0:
+                    if m % p != mi % p:
+                        _diverge(f"M[{r}] = {m} (offset {m % p}); implementation M[{i}] = {mi} (offset {mi % p})")
+                    self.swa.bind(m // p, mi // p, f"mapping of full slot {r}")
+
+
+def _allocated(owner: tuple[int | None, ...]) -> set[int]:
+    return {g for g, who in enumerate(owner) if who is not None}

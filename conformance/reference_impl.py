@@ -1,0 +1,126 @@
+"""The reference behind the conformance protocol: ``ReferenceAllocator``.
+
+A thin stateful shell over the pure operations of
+``kvproof.reference.swa_allocator``, speaking the tensor protocol of
+:mod:`kvproof.conformance.protocol`. It lets the lockstep harness run the
+reference against itself (a suite that the reference cannot pass proves nothing)
+and gives third parties an executable model with SGLang's method names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvproof.conformance.protocol import Capability
+from kvproof.reference import swa_allocator as ref
+from kvproof.reference.config import PoolConfig
+from kvproof.reference.snapshot import AllocatorSnapshot
+
+__all__ = ["ReferenceAllocator", "ReferenceKVPool"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _ints(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t.reshape(-1).tolist()]
+
+
+def _tensor(values: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+class ReferenceKVPool:
+    """``SWAKVPool``'s KV surface over the reference state."""
+
+    def __init__(self, owner: ReferenceAllocator) -> None:
+        self._owner = owner
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        n = cache_k.shape[0]
+        k = cache_k.reshape(n, -1).tolist()
+        v = cache_v.reshape(n, -1).tolist()
+        self._owner.state = ref.set_kv_buffer(self._owner.state, layer_id, _ints(loc), k, v)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self._owner.config
+        rows = self._owner.state.kv.layers[layer_id]
+        w = cfg.kv.row_width
+        data = torch.tensor([list(r) if r is not None else [0.0] * (2 * w) for r in rows], dtype=torch.float32)
+        shape = (len(rows), cfg.kv.head_num, cfg.kv.head_dim)
+        dtype = _DTYPES[cfg.kv.dtype]
+        return data[:, :w].reshape(shape).to(dtype), data[:, w:].reshape(shape).to(dtype)
+
+
+class ReferenceAllocator:
+    """Every operation delegates to the pure reference; failures raise the reference's errors."""
+
+    capabilities = frozenset(Capability)
+    device = "cpu"
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.state = ref.initial_state(config)
+        self._kv = ReferenceKVPool(self)
+
+    def alloc(self, need_size: int) -> torch.Tensor:
+        self.state, slots = ref.alloc(self.state, need_size)
+        return _tensor(slots)
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
+        self.state, slots = ref.alloc_extend(self.state, _ints(prefix_lens_cpu), _ints(seq_lens_cpu),
+                                             _ints(last_loc), extend_num_tokens)
+        return _tensor(slots)
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        self.state, slots = ref.alloc_decode(self.state, _ints(seq_lens_cpu), _ints(last_loc))
+        return _tensor(slots)
+
+    def alloc_extend_swa_tail(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                              extend_num_tokens, swa_tail_len):
+        self.state, slots = ref.alloc_extend_swa_tail(self.state, _ints(prefix_lens_cpu), _ints(seq_lens_cpu),
+                                                      _ints(last_loc), extend_num_tokens, swa_tail_len)
+        return _tensor(slots)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.state = ref.free(self.state, _ints(free_index))
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        self.state = ref.free_swa(self.state, _ints(free_index))
+
+    def free_full(self, free_index: torch.Tensor) -> None:
+        self.state = ref.free_full(self.state, _ints(free_index))
+
+    def clear(self) -> None:
+        self.state = ref.clear(self.state)
+
+    def backup_state(self) -> ref.AllocatorBackup:
+        return ref.backup_state(self.state)
+
+    def restore_state(self, state: object) -> None:
+        assert isinstance(state, ref.AllocatorBackup)
+        self.state = ref.restore_state(self.state, state)
+
+    def available_size(self) -> int:
+        return ref.available_size(self.state)
+
+    def full_available_size(self) -> int:
+        return ref.full_available_size(self.state)
+
+    def swa_available_size(self) -> int:
+        return ref.swa_available_size(self.state)
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        return _tensor(ref.translate_loc_from_full_to_swa(self.state, _ints(kv_indices)))
+
+    def get_cpu_copy(self, indices: torch.Tensor) -> ref.KVCpuCopy:
+        return ref.get_cpu_copy(self.state, _ints(indices))
+
+    def load_cpu_copy(self, kv_cache_cpu: object, indices: torch.Tensor) -> None:
+        assert isinstance(kv_cache_cpu, ref.KVCpuCopy)
+        self.state = ref.load_cpu_copy(self.state, kv_cache_cpu, _ints(indices))
+
+    def get_kvcache(self) -> ReferenceKVPool:
+        return self._kv
+
+    def snapshot(self) -> AllocatorSnapshot:
+        return ref.snapshot(self.state)
