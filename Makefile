@@ -1,0 +1,31 @@
+# kvproof: two entry points, both self-contained on a fresh machine.
+#   make check  -- set up, then run the main job (kvproof check: prove + conform)
+#   make test   -- set up, then run every test
+# Set-up installs the local CPU wheel torch==2.13.0 FIRST, so pip never fetches a CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvproof-installed
+
+.PHONY: check test bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+check: $(STAMP)
+	$(BIN)/kvproof check
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/kvproof bench
+
+clean:
+	rm -rf $(VENV) .kvproof .hypothesis build *.egg-info

@@ -1,0 +1,108 @@
+"""``kvproof bench``: speed of the harness and of the runtime, as ratios measured in one run.
+
+Nothing here is a timed test: it prints numbers, it never asserts on them.
+
+* lockstep steps/s: the ``swa_allocator`` state machine against kvproof's torch
+  runtime under a fixed derandomized profile (steps = checked transitions);
+* runtime throughput: ``alloc_extend`` (one request, 0 -> n tokens) + ``free`` pairs
+  per second at page size 1 and 4, on the runtime's default device;
+* harness overhead = (time of one lockstep step) / (time of one bare runtime op),
+  where a bare op is half of an alloc_extend+free pair at page size 4.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from hypothesis import settings
+from rich.console import Console
+from rich.table import Table
+
+from kvproof.conformance.check import run_swa_allocator_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.profiles import get_profile
+from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference import swa_allocator as ref
+from kvproof.reference.config import PoolConfig
+
+__all__ = ["run_bench", "runtime_pairs_per_second", "reference_pairs_per_second", "lockstep_steps_per_second"]
+
+
+def _lengths(count: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 64) for _ in range(count)]
+
+
+def runtime_pairs_per_second(page_size: int, pairs: int) -> tuple[float, str]:
+    """alloc_extend(0 -> n) + free pairs per second on the torch runtime; also returns the device."""
+    cfg = PoolConfig(size_full=1 << 16, size_swa=1 << 15, page_size=page_size, sliding_window_size=128)
+    alloc = SWATokenToKVPoolAllocator(cfg)
+    dev = alloc.device
+    zero, zero_cpu, minus = torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64), \
+        torch.full((1,), -1, dtype=torch.int64, device=dev)
+    seqs = [(torch.tensor([n], device=dev), torch.tensor([n]), n) for n in _lengths(pairs)]
+    for seq, seq_cpu, n in seqs[:50]:  # warm-up
+        alloc.free(alloc.alloc_extend(zero, zero_cpu, seq, seq_cpu, minus, n))
+    _sync(dev)
+    start = time.perf_counter()
+    for seq, seq_cpu, n in seqs:
+        alloc.free(alloc.alloc_extend(zero, zero_cpu, seq, seq_cpu, minus, n))
+    _sync(dev)
+    return pairs / (time.perf_counter() - start), str(dev)
+
+
+def reference_pairs_per_second(page_size: int, pairs: int) -> float:
+    """The same pairs on the pure-Python reference (for context: the oracle's own cost)."""
+    cfg = PoolConfig(size_full=1 << 12, size_swa=1 << 11, page_size=page_size, sliding_window_size=128)
+    state = ref.initial_state(cfg)
+    start = time.perf_counter()
+    for n in _lengths(pairs):
+        state, slots = ref.alloc_extend(state, [0], [n], [-1], n)
+        state = ref.free(state, slots)
+    return pairs / (time.perf_counter() - start)
+
+
+def lockstep_steps_per_second(examples: int) -> tuple[float, int]:
+    """Checked lockstep steps per second against the runtime, over all conformance configs."""
+    profile = settings(get_profile("ci"), max_examples=examples)
+    steps, seconds = 0, 0.0
+    for cfg in CONFORMANCE_CONFIGS:
+        report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
+                                         failures_dir=None)
+        if not report.passed:
+            raise RuntimeError(f"benchmark run failed conformance: {report.failure}")
+        steps += report.steps
+        seconds += report.seconds
+    return steps / seconds, steps
+
+
+def _sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
+    pairs, examples = (500, 10) if quick else (5000, 40)
+    p1, device = runtime_pairs_per_second(1, pairs)
+    p4, _ = runtime_pairs_per_second(4, pairs)
+    r4 = reference_pairs_per_second(4, max(200, pairs // 10))
+    steps_per_s, steps = lockstep_steps_per_second(examples)
+    op_seconds = 1.0 / (2 * p4)
+    overhead = (1.0 / steps_per_s) / op_seconds
+    table = Table(title=f"kvproof bench (runtime device: {device}, torch {torch.__version__})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = {
+        "runtime alloc_extend+free pairs/s, P=1": f"{p1:,.0f}",
+        "runtime alloc_extend+free pairs/s, P=4": f"{p4:,.0f}",
+        "reference alloc_extend+free pairs/s, P=4": f"{r4:,.0f}",
+        "runtime / reference speed, P=4": f"{p4 / r4:.1f}x",
+        f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
+        "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
+    }
+    for k, v in rows.items():
+        table.add_row(k, v)
+    console.print(table)
+    return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead}

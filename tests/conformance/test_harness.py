@@ -1,0 +1,56 @@
+"""Test the tester: the lockstep harness accepts legal implementations and only those."""
+
+import pytest
+
+from kvproof.conformance.check import ConformanceFailure, check_swa_allocator, run_swa_allocator_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.reference_impl import ReferenceAllocator
+from kvproof.conformance.swa_allocator import RULE_CAPABILITIES
+
+from .variants import RelabelledClaimingExactOrder, RelabelledReference
+
+IDS = [c.label() for c in CONFORMANCE_CONFIGS]
+
+
+@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=IDS)
+def test_reference_passes_its_own_suite(config) -> None:
+    report = check_swa_allocator(ReferenceAllocator, config, profile="ci", impl_name="reference")
+    assert report.steps > 500
+    assert report.never_run == (), f"rules never executed: {report.never_run}"
+    assert report.outcomes["OutOfMemory"] > 0 and report.outcomes["InvalidOperation"] > 0
+
+
+@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS[:3], ids=IDS[:3])
+def test_relabelled_pages_are_accepted(config) -> None:
+    """Page choice is implementation-defined: a consistent renaming must pass."""
+    check_swa_allocator(RelabelledReference, config, profile="dev", impl_name="relabelled")
+
+
+def test_false_exact_order_claim_is_rejected() -> None:
+    report = run_swa_allocator_check(RelabelledClaimingExactOrder, CONFORMANCE_CONFIGS[1], profile="dev",
+                                     impl_name="relabelled-claiming-exact", failures_dir=None)
+    assert not report.passed
+    assert "EXACT_PAGE_ORDER" in (report.failure or "")
+
+
+def test_capabilities_gate_rules_and_are_reported() -> None:
+    class Minimal(ReferenceAllocator):
+        capabilities = frozenset({c for c in ReferenceAllocator.capabilities if c.value in ("alloc_extend",)})
+
+    report = check_swa_allocator(Minimal, CONFORMANCE_CONFIGS[2], profile="dev", impl_name="minimal")
+    assert set(report.not_applicable) == {r for r, needs in RULE_CAPABILITIES.items() if needs - Minimal.capabilities}
+    assert "alloc_decode" in report.not_applicable and "misuse" in report.not_applicable
+    assert report.rules.get("alloc_decode", 0) == 0
+
+
+def test_failures_are_saved(tmp_path) -> None:
+    report = run_swa_allocator_check(RelabelledClaimingExactOrder, CONFORMANCE_CONFIGS[1], profile="dev",
+                                     impl_name="x/y", failures_dir=tmp_path)
+    assert report.failure_file is not None
+    text = open(report.failure_file).read()
+    assert "operations so far" in text and "reproduce_failure" in text
+
+
+def test_check_raises_conformance_failure() -> None:
+    with pytest.raises(ConformanceFailure, match="relabelled"):
+        check_swa_allocator(RelabelledClaimingExactOrder, CONFORMANCE_CONFIGS[1], profile="dev", impl_name="relabelled")
