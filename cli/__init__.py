@@ -2,7 +2,9 @@
 
 * ``kvproof prove``   -- every Z3 obligation and broken twin; non-zero exit on any failure or ``unknown``.
 * ``kvproof conform`` -- the lockstep suite against kvproof's torch runtime or ``--impl module:factory``.
-* ``kvproof check``   -- ``prove`` + ``conform`` of the built-in runtime, one summary; exit 0 only if all pass.
+* ``kvproof check``   -- ``prove`` + ``conform`` of the built-in runtime + ``mutants``, one summary;
+  exit 0 only if all pass.
+* ``kvproof mutants`` -- the suite against every deliberately broken runtime; each must be killed.
 * ``kvproof bench``   -- throughput and harness-overhead ratios, measured in one run.
 """
 
@@ -18,6 +20,12 @@ from rich.table import Table
 __all__ = ["main"]
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy: harmless
+
+
+def _console() -> Console:
+    """A console that does not squeeze tables into 80 columns when writing to a log."""
+    console = Console()
+    return console if console.is_terminal else Console(width=150)
 
 PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev"]),
                        help="Hypothesis profile (kvproof.conformance.profiles).")
@@ -40,7 +48,7 @@ def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_
     """Discharge every Z3 obligation; broken twins must yield counterexamples."""
     from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
 
-    console = Console()
+    console = _console()
     results = run_prove(component, name_filter, timeout_ms)
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=show_counterexamples)
@@ -60,7 +68,7 @@ def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...]) -> No
     from kvproof.cli.conform import conform as run_conform, conform_table
     from kvproof.cli.impl import DEFAULT_IMPL, load_factory
 
-    console = Console()
+    console = _console()
     spec = impl_spec or DEFAULT_IMPL
     try:
         factory = load_factory(spec)
@@ -75,12 +83,12 @@ def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...]) -> No
 @main.command()
 @PROFILE
 def check(profile: str) -> None:
-    """prove + conform of the built-in runtime; exit 0 only if everything passes."""
-    from kvproof.cli.conform import conform as run_conform, conform_table
+    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
+    from kvproof.cli.conform import conform as run_conform, conform_table, mutants_table, run_mutants
     from kvproof.cli.impl import DEFAULT_IMPL, load_factory
     from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
 
-    console = Console()
+    console = _console()
     results = run_prove()
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
@@ -88,16 +96,33 @@ def check(profile: str) -> None:
                           on_report=lambda r: _report_progress(console, r))
     console.print(conform_table(reports))
     _print_reports(console, reports)
+    verdicts = run_mutants(profile)
+    console.print(mutants_table(verdicts))
     summary = Table(title="kvproof check")
     for col in ("part", "items", "passed", "verdict"):
         summary.add_column(col)
     proved = sum(r.ok for r in results)
     conformed = sum(r.passed for r in reports)
-    rows = [("prove", len(results), proved), ("conform swa_allocator", len(reports), conformed)]
+    killed = sum(v.killed for v in verdicts)
+    rows = [("prove (obligations + broken twins)", len(results), proved),
+            ("conform swa_allocator (pool configs)", len(reports), conformed),
+            ("mutants killed (test the tester)", len(verdicts), killed)]
     for part, n, ok in rows:
         summary.add_row(part, str(n), str(ok), "[green]pass[/]" if ok == n and n else "[red]FAIL[/]")
     console.print(summary)
     sys.exit(0 if all(ok == n and n for _, n, ok in rows) else 1)
+
+
+@main.command()
+@PROFILE
+def mutants(profile: str) -> None:
+    """Test the tester: the lockstep suite must kill every deliberately broken runtime."""
+    from kvproof.cli.conform import mutants_table, run_mutants
+
+    console = _console()
+    verdicts = run_mutants(profile)
+    console.print(mutants_table(verdicts))
+    sys.exit(0 if all(v.killed for v in verdicts) else 1)
 
 
 @main.command()
@@ -106,7 +131,7 @@ def bench(quick: bool) -> None:
     """Lockstep steps/s, runtime alloc_extend+free pairs/s at P=1 and P=4, harness overhead ratio."""
     from kvproof.cli.bench import run_bench
 
-    run_bench(Console(), quick=quick)
+    run_bench(_console(), quick=quick)
 
 
 def _report_progress(console: Console, report) -> None:  # type: ignore[no-untyped-def]

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 
 from rich.table import Table
 
-from kvproof.conformance.check import CheckReport, run_swa_allocator_check
+from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS, config_by_label
 from kvproof.reference.config import PoolConfig
 
-__all__ = ["conform", "conform_table"]
+__all__ = ["conform", "conform_table", "run_mutants", "mutants_table"]
 
 
 def conform(factory: Callable, impl_spec: str, profile: str, labels: Sequence[str] = (),
@@ -35,4 +35,20 @@ def conform_table(reports: list[CheckReport]) -> Table:
         table.add_row(r.config.label(), verdict, str(r.examples), str(r.steps), str(r.outcomes.get("ok", 0)),
                       str(r.outcomes.get("OutOfMemory", 0)), str(r.outcomes.get("InvalidOperation", 0)),
                       str(len(r.not_applicable)), f"{r.seconds:.1f}")
+    return table
+
+
+def run_mutants(profile: str) -> list[MutantVerdict]:
+    from kvproof.conformance.mutants import SWA_ALLOCATOR_MUTANTS
+
+    return kill_mutants(SWA_ALLOCATOR_MUTANTS, CONFORMANCE_CONFIGS, profile=profile)
+
+
+def mutants_table(verdicts: list[MutantVerdict]) -> Table:
+    table = Table(title="kvproof mutants (swa_allocator runtime)")
+    for col in ("mutant", "verdict", "caught on", "seconds", "first words of the verdict"):
+        table.add_column(col, justify="right" if col == "seconds" else "left", overflow="fold")
+    for v in verdicts:
+        mark = "[green]killed[/]" if v.killed else "[red]SURVIVED[/]"
+        table.add_row(v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:90])
     return table

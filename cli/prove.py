@@ -18,7 +18,7 @@ def prove(component: str | None = None, name_filter: str | None = None, timeout_
 def prove_table(results: list[Result]) -> Table:
     table = Table(title="kvproof prove", show_lines=False)
     for col in ("obligation", "component", "expect", "result", "seconds"):
-        table.add_column(col, justify="right" if col == "seconds" else "left")
+        table.add_column(col, justify="right" if col == "seconds" else "left", no_wrap=col != "obligation")
     for r in results:
         ob = r.obligation
         mark = "[green]ok[/]" if r.ok else "[red]FAIL[/]"

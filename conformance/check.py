@@ -25,7 +25,8 @@ from kvproof.conformance.protocol import AllocatorFactory, Capability
 from kvproof.conformance.swa_allocator import MISUSE_CASES, RULE_CAPABILITIES, machine_for
 from kvproof.reference.config import PoolConfig
 
-__all__ = ["CheckReport", "ConformanceFailure", "run_swa_allocator_check", "check_swa_allocator", "FAILURES_DIR"]
+__all__ = ["CheckReport", "ConformanceFailure", "MutantVerdict", "run_swa_allocator_check", "check_swa_allocator",
+           "kill_mutants", "FAILURES_DIR"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 
@@ -113,3 +114,38 @@ def check_swa_allocator(factory: AllocatorFactory, config: PoolConfig, *, settin
         where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
         raise ConformanceFailure(f"{impl_name} [{config.label()}]: {report.failure}{where}")
     return report
+
+
+@dataclass(frozen=True)
+class MutantVerdict:
+    """Whether the lockstep suite caught one deliberately broken implementation, and where."""
+
+    name: str
+    killed: bool
+    config: str | None
+    seconds: float
+    evidence: str
+
+
+def kill_mutants(mutants: dict[str, AllocatorFactory], configs: tuple[PoolConfig, ...], *,
+                 profile: str = "ci", shrink: bool = False) -> list[MutantVerdict]:
+    """Run the suite against each mutant, config by config, until one config catches it.
+
+    Without ``shrink`` the profile's shrinking phase is skipped: a kill only needs the
+    first failing example (the S3 test shrinks on purpose, to check the trace length).
+    """
+    base = get_profile(profile)
+    settings = base if shrink else Settings(base, phases=[p for p in base.phases if p.name != "shrink"])
+    verdicts = []
+    for name, factory in mutants.items():
+        start, hit = time.perf_counter(), None
+        for config in configs:
+            report = run_swa_allocator_check(factory, config, settings=settings, impl_name=f"mutant {name}",
+                                             failures_dir=None)
+            if not report.passed:
+                hit = report
+                break
+        evidence = (hit.failure or "").splitlines()[:2] if hit else ["survived every config"]
+        verdicts.append(MutantVerdict(name, hit is not None, hit.config.label() if hit else None,
+                                      time.perf_counter() - start, " ".join(s.strip() for s in evidence)))
+    return verdicts

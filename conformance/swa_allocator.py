@@ -296,7 +296,10 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         (state, ref_slots), impl_slots = out
         impl_list = [int(x) for x in impl_slots.reshape(-1).tolist()]
         self.ref = state
-        self.names.bind_full(op, list(ref_slots), impl_list)
+        try:
+            self.names.bind_full(op, list(ref_slots), impl_list)
+        except Divergence as err:
+            self._fail(str(err))
         at = 0
         for rid, old, n in grown:
             if n or old:

@@ -1,1 +1,22 @@
-"""placeholder"""
+"""``kvproof.gpu_runtime``: the SWA KV pools of SGLang 0.5.23 over torch tensors, CUDA or CPU.
+
+* :mod:`.paged` -- ``PagedTokenToKVPoolAllocator``: one paged pool (P == 1 is the token allocator);
+* :mod:`.swa_kv_pool` -- ``SWAKVPool``: per-layer K/V buffers, CPU copies with ``swa_mask``;
+* :mod:`.swa_allocator` -- ``SWATokenToKVPoolAllocator``: the composite, with the
+  reference's exact observable behaviour (``kvproof.reference.swa_allocator``).
+
+Semantics: sglang_semantics.md §1.2-§1.5, §2.7, §2.8 (cited per module). The device is
+chosen at construction: ``cuda`` when available, else ``cpu``.
+"""
+
+from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator, default_device
+from kvproof.gpu_runtime.swa_allocator import SWAAllocatorBackup, SWATokenToKVPoolAllocator
+from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
+
+__all__ = [
+    "PagedTokenToKVPoolAllocator",
+    "SWAKVPool",
+    "SWATokenToKVPoolAllocator",
+    "SWAAllocatorBackup",
+    "default_device",
+]

@@ -95,7 +95,7 @@ class SWAAllocatorState(BaseModel):
     full_to_swa_index_mapping: tuple[int, ...]
     kv: KVStore
     fill: tuple[int, ...]  # ghost: live slots per full page (offsets 0..fill-1)
-    epoch: int = 0  # ghost: bumped by every release; restore_state needs it unchanged
+    epoch: int = 0  # ghost: bumped by every release of a page (restores and clears too); restore_state needs it unchanged
     next_owner: int = 1  # ghost: label for the next anonymous owner
 
 
@@ -335,7 +335,8 @@ def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAlloc
     _require(len(backup.fill) == len(state.fill), op, "state", "backup comes from a pool of another size")
     full = _roll_back(state.full, backup.full_free_pages)
     swa = _roll_back(state.swa, backup.swa_free_pages)
-    return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill})
+    # a restore releases pages too: any other backup is stale from now on
+    return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill, "epoch": state.epoch + 1})
 
 
 # ---------------------------------------------------------------- KV rows and CPU copies
@@ -562,7 +563,8 @@ def _release_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllo
                 swa_pages.append(s // p)
     zeroed = [f for g in touched for f in range(g * p, g * p + p)]
     state = _set_mapping(state, zeroed, (0,) * len(zeroed))
-    return state.model_copy(update={"swa": release_pages(state.swa, swa_pages), "epoch": state.epoch + 1})
+    return state.model_copy(update={"swa": release_pages(state.swa, swa_pages),
+                                    "epoch": state.epoch + bool(swa_pages)})
 
 
 def _release_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
@@ -572,7 +574,7 @@ def _release_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAll
     for g in pages:
         fill[g] = 0
     return state.model_copy(update={"full": release_pages(state.full, pages), "fill": tuple(fill),
-                                    "epoch": state.epoch + 1})
+                                    "epoch": state.epoch + bool(pages)})
 
 
 def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:

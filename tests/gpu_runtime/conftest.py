@@ -13,4 +13,4 @@ DEVICES = [
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
-    return request.param
+    return str(request.param)

@@ -36,14 +36,14 @@ CONFIGS = [
 ]
 
 
-def t(values: Any, device: str = "cpu") -> torch.Tensor:
+def t(values: Any, device: str | torch.device = "cpu") -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64, device=device)
 
 
 def error_key(e: PoolError) -> tuple[Any, ...]:
     if isinstance(e, OutOfMemory):
         return type(e).__name__, e.op, e.pool, e.pages_needed, e.pages_free
-    return type(e).__name__, e.op, getattr(e, "argument", None)
+    return type(e).__name__, getattr(e, "op", None), getattr(e, "argument", None)
 
 
 def as_result(x: Any) -> Any:
@@ -107,7 +107,7 @@ def assert_kv_equal(rt: SWATokenToKVPoolAllocator, s: R.SWAAllocatorState) -> No
         if not slots:
             continue
         got = torch.cat((k[slots].reshape(len(slots), -1), v[slots].reshape(len(slots), -1)), dim=1).cpu()
-        assert got.tolist() == [list(rows[i]) for i in slots], f"layer {layer} rows differ"
+        assert got.tolist() == [list(rows[i] or ()) for i in slots], f"layer {layer} rows differ"
 
 
 # ---------------------------------------------------------------- op generators
@@ -126,6 +126,10 @@ def op_extend(w: World) -> None:
         seq.append(p0 + w.rng.randint(0, 2 * w.p + 1))
         last.append(loc)
         rids.append(rid)
+    if w.rng.random() < 0.03:
+        seq[0] = pre[0] - 1  # a request that shrinks
+    if w.rng.random() < 0.03:
+        last.append(-1)  # lengths disagree
     n = sum(seq) - sum(pre)
     if w.rng.random() < 0.05:
         n += 1  # U2 misuse
@@ -156,6 +160,8 @@ def op_decode(w: World) -> None:
         last.append(-1)
     if rids and w.rng.random() < 0.05:
         last[-1] += 1  # misaligned or foreign last_loc
+    if rids and w.rng.random() < 0.03:
+        seq[0] = 0  # no position to decode
     dev = w.rt.device
     ok, out = w.both(lambda s: R.alloc_decode(s, seq, last),
                      lambda: w.rt.alloc_decode(t(seq, dev), t(seq), t(last, dev)))

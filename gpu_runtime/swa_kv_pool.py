@@ -1,0 +1,199 @@
+"""``SWAKVPool``: the K/V buffers behind the SWA composite allocator (sglang_semantics.md §1.5, §2.8).
+
+Full-attention layers are indexed by full slots (``size_full + P`` rows), sliding-window
+layers by SWA slots (``size_swa + P`` rows); row 0 / page 0 is the padding that writes
+through unmapped slots land on (§1.4). Each pool is one tensor of shape
+``(layers, 2, rows, head_num, head_dim)`` (index 0 = K, 1 = V), so a CPU copy of all
+layers is a single gather. Layer ids map to ``(index in pool, is_swa)`` exactly as
+SGLang's ``layers_mapping`` (position in ``full_attention_layer_ids`` /
+``swa_attention_layer_ids``).
+
+The allocator hands the pool its ``full_to_swa_index_mapping`` (the same tensor
+object, ``register_mapping``) and its liveness check (``register_slot_check``), so
+writes and copies through unallocated slots are rejected with the reference's op and
+argument names, before anything is written.
+
+CPU copy format (``get_cpu_copy``), all CPU tensors::
+
+    {"full": (n_full_layers, 2, n, H, D), "swa": (n_swa_layers, 2, m, H, D) | None, "swa_mask": bool (n,)}
+
+``swa_mask[j] = M[indices[j]] > 0``; ``swa`` holds the ``m`` mapped positions in order.
+``load_cpu_copy`` restores a saved SWA row iff its position is mapped now too:
+``row_mask = new_mask[old_mask]``, destinations ``t[old_mask][row_mask]`` (§2.8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from kvproof.gpu_runtime.paged import as_index, resolve_device
+from kvproof.reference.config import PoolConfig
+from kvproof.reference.errors import InvalidOperation
+
+__all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
+
+Tensor = torch.Tensor
+#: ``get_cpu_copy``'s result: ``{"full": ..., "swa": ..., "swa_mask": ...}``.
+KVCpuCopy = dict[str, Tensor | None]
+
+
+class SlotCheck(Protocol):
+    """Raises ``InvalidOperation(op, argument, ...)`` unless every full slot is live."""
+
+    def __call__(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> object: ...
+
+
+def _require(condition: bool, op: str, argument: str, message: str) -> None:
+    if not condition:
+        raise InvalidOperation(op, argument, message)
+
+
+class SWAKVPool:
+    """Per-layer K and V rows of the full and SWA pools, written through the full-to-SWA mapping."""
+
+    def __init__(self, config: PoolConfig, device: torch.device | str | None = None) -> None:
+        geo, p = config.kv, config.page_size
+        self.device = resolve_device(device)
+        self.dtype: torch.dtype = getattr(torch, geo.dtype)
+        self.page_size, self.head_num, self.head_dim = p, geo.head_num, geo.head_dim
+        self.full_attention_layer_ids = geo.full_attention_layer_ids
+        self.swa_attention_layer_ids = geo.swa_attention_layer_ids
+        self.layers_mapping: dict[int, tuple[int, bool]] = {
+            **{lid: (i, False) for i, lid in enumerate(geo.full_attention_layer_ids)},
+            **{lid: (i, True) for i, lid in enumerate(geo.swa_attention_layer_ids)},
+        }
+        shape = (2, geo.head_num, geo.head_dim)
+        self.full_kv = self._buffer(len(geo.full_attention_layer_ids), config.size_full + p, shape)
+        self.swa_kv = self._buffer(len(geo.swa_attention_layer_ids), config.size_swa + p, shape)
+        self.full_to_swa_index_mapping: Tensor | None = None
+        self._slot_check: SlotCheck = self._in_range
+
+    def _buffer(self, layers: int, rows: int, shape: tuple[int, int, int]) -> Tensor:
+        kv, h, d = shape
+        return torch.zeros((layers, kv, rows, h, d), dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------ wiring
+
+    def register_mapping(self, full_to_swa_index_mapping: Tensor) -> None:
+        """Hold the allocator's mapping tensor itself: its writes are visible here."""
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+
+    def register_slot_check(self, check: SlotCheck) -> None:
+        """Validate full slots with the allocator's liveness check (it owns ``fill``)."""
+        self._slot_check = check
+
+    def _in_range(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> None:
+        # standalone pool (no allocator): only keep indexing in bounds
+        rows = self.full_kv.shape[2]
+        _require(bool(((slots >= 0) & (slots < rows)).all()), op, argument, f"slots outside [0, {rows})")
+
+    # ------------------------------------------------------------ buffers
+
+    def _layer(self, op: str, layer_id: int) -> tuple[int, bool]:
+        where = self.layers_mapping.get(layer_id) if isinstance(layer_id, int) else None
+        _require(where is not None, op, "layer_id", f"{layer_id} is outside [0, {len(self.layers_mapping)})")
+        assert where is not None
+        return where
+
+    def _pool(self, is_swa: bool) -> Tensor:
+        return self.swa_kv if is_swa else self.full_kv
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """The layer's whole K and V buffers ``(rows, H, D)``, indexed by pool slot."""
+        i, is_swa = self._layer("get_kv_buffer", layer_id)
+        buf = self._pool(is_swa)
+        return buf[i, 0], buf[i, 1]
+
+    def get_key_buffer(self, layer_id: int) -> Tensor:
+        return self.get_kv_buffer(layer_id)[0]
+
+    def get_value_buffer(self, layer_id: int) -> Tensor:
+        return self.get_kv_buffer(layer_id)[1]
+
+    def translate_loc_from_full_to_swa(self, kv_indices: Tensor) -> Tensor:
+        """``M[kv_indices]``; -1 yields -1 through the trailing sentinel (§1.5)."""
+        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
+        return self.full_to_swa_index_mapping[kv_indices]
+
+    def set_kv_buffer(self, layer_id: int, loc: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
+        """Write rows of the tokens at full slots ``loc``; SWA layers write at ``M[loc]``.
+
+        A write through an unmapped slot (``M == 0``) lands on padding row 0 (§1.4).
+        """
+        op = "set_kv_buffer"
+        i, is_swa = self._layer(op, layer_id)
+        loc = as_index(loc, self.device)
+        k, v, n, width = torch.as_tensor(cache_k), torch.as_tensor(cache_v), loc.numel(), self.head_num * self.head_dim
+        # one K and one V row per slot
+        _require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
+                 f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
+        # each row holds head_num * head_dim values
+        _require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
+        self._slot_check(op, "loc", loc, duplicates_ok=False)
+        if is_swa:
+            _require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
+        dest = self.translate_loc_from_full_to_swa(loc) if is_swa else loc
+        buf, shape = self._pool(is_swa), (n, self.head_num, self.head_dim)
+        buf[i, 0, dest] = k.reshape(shape).to(self.device, self.dtype)
+        buf[i, 1, dest] = v.reshape(shape).to(self.device, self.dtype)
+
+    # ------------------------------------------------------------ CPU copies (§2.8)
+
+    def get_cpu_copy(self, indices: Tensor) -> KVCpuCopy:
+        """Full rows of every position, SWA rows of the mapped ones, and the mask saying which."""
+        op = "get_cpu_copy"
+        idx = as_index(indices, self.device)
+        self._slot_check(op, "indices", idx, duplicates_ok=True)
+        full = self.full_kv[:, :, idx].cpu()
+        if self.full_to_swa_index_mapping is None:
+            return {"full": full, "swa": None, "swa_mask": None}
+        swa_slots = self.full_to_swa_index_mapping[idx]
+        mask = swa_slots > 0  # slot 0 is the padding: 0 means "no SWA KV here"
+        swa = self.swa_kv[:, :, swa_slots[mask]].cpu() if bool(mask.any()) else None
+        return {"full": full, "swa": swa, "swa_mask": mask.cpu()}
+
+    def load_cpu_copy(self, kv_cache_cpu: Mapping[str, Tensor | None], indices: Tensor) -> None:
+        """Load a copy into new full slots ``indices`` of the same positions (§2.8)."""
+        op = "load_cpu_copy"
+        idx = as_index(indices, self.device)
+        full, swa, old_mask = self._unpack_copy(op, kv_cache_cpu)
+        positions = old_mask.numel() if old_mask is not None else full.shape[2]
+        # position alignment: the copy and the destination cover the same positions
+        _require(idx.numel() == positions, op, "indices",
+                 f"{idx.numel()} destination slots for a copy of {positions} positions")
+        self._check_copy_shapes(op, full, swa, old_mask, positions)
+        self._slot_check(op, "indices", idx, duplicates_ok=False)
+        self.full_kv[:, :, idx] = full.to(self.device, self.dtype)
+        if swa is None or old_mask is None or self.full_to_swa_index_mapping is None:
+            return
+        t = self.full_to_swa_index_mapping[idx]
+        rows, dest = self._swa_rows_to_load(swa.to(self.device, self.dtype), old_mask.to(self.device), t)
+        if dest.numel():
+            self.swa_kv[:, :, dest] = rows
+
+    def _swa_rows_to_load(self, swa: Tensor, old_mask: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        """Saved rows whose position is mapped now, and their SWA destinations (mask symmetry)."""
+        row_mask = (t > 0)[old_mask]  # over the saved rows: still has an SWA slot?
+        return swa[:, :, row_mask], t[old_mask][row_mask]
+
+    def _unpack_copy(self, op: str, kv: object) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        ok = isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)
+        _require(ok, op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
+        assert isinstance(kv, Mapping)
+        mask = kv.get("swa_mask")
+        # the legacy (maskless) format cannot say which saved row is which position
+        _require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")
+        return kv["full"], kv.get("swa"), None if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+
+    def _check_copy_shapes(self, op: str, full: Tensor, swa: Tensor | None, mask: Tensor | None, n: int) -> None:
+        h, d = self.head_num, self.head_dim
+        _require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
+                 "copy has a different number of full layers")
+        _require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
+        if swa is not None and mask is not None:
+            m = int(mask.sum())
+            _require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
+                     f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")

@@ -1,0 +1,146 @@
+"""Obligation machinery: one claim, one fresh solver, one verdict.
+
+Every family module (``swa_tail``, ``page_arith``, ``swa_mask``, ``swa_mapping``,
+``swa_s3``) states its claims about sglang_semantics.md (§1.3, §1.5, §2.3, §2.7,
+§2.8, §7, §9) as :class:`Obligation` values. An obligation's ``build`` returns the
+hypotheses together with the *negated* goal, so
+
+* ``unsat`` means the claim is **proved** (no counterexample exists);
+* ``sat`` means there is a **counterexample**, rendered by ``render`` as concrete
+  numbers or a step table, never as a raw model dump;
+* ``unknown`` (timeout, incompleteness of non-linear integer arithmetic) is
+  reported with the solver's reason and is **never** a success.
+
+Broken twins (``expect="counterexample"``) encode a plausible wrong version of a
+sound obligation; they must produce a counterexample, which shows the sound
+obligation is not vacuous.
+
+Modelling conventions (verification_anchors.md §3.1): integers are ``z3.Int``,
+never bit-vectors; Int ``/`` and ``%`` are Euclidean, so every obligation states
+``n >= 0`` / ``P >= 1`` hypotheses; the ``div0``/``mod0`` completions Z3 adds to
+models are skipped when reading values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import z3
+
+__all__ = [
+    "Expect",
+    "Status",
+    "Obligation",
+    "Result",
+    "run",
+    "as_int",
+    "as_bool",
+    "model_values",
+    "fmt_bools",
+]
+
+Expect = Literal["proved", "counterexample"]
+Status = Literal["proved", "counterexample", "unknown"]
+
+# Z3 completes integer division and modulo by zero with these uninterpreted functions.
+_ARTEFACTS = frozenset({"div0", "mod0", "/0", "%0"})
+
+
+@dataclass(frozen=True)
+class Obligation:
+    """One claim about the SWA allocator, checkable by a single solver call.
+
+    ``build`` returns facts whose conjunction is UNSAT exactly when the claim
+    holds (hypotheses plus the negated goal). ``render`` turns a model of those
+    facts into a readable counterexample.
+    """
+
+    name: str
+    component: str
+    family: str
+    statement: str
+    expect: Expect
+    build: Callable[[], Sequence[z3.BoolRef]]
+    render: Callable[[z3.ModelRef], str]
+    twin_of: str | None = None
+
+    @property
+    def is_twin(self) -> bool:
+        """A broken twin: a deliberately wrong variant that must be refuted."""
+        return self.twin_of is not None
+
+
+@dataclass(frozen=True)
+class Result:
+    """The verdict of one :func:`run`."""
+
+    obligation: Obligation
+    status: Status
+    seconds: float
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        """The verdict matches the expectation; ``unknown`` is never ok."""
+        return self.status != "unknown" and self.status == self.obligation.expect
+
+
+def run(obligation: Obligation, *, timeout_ms: int = 20_000) -> Result:
+    """Check ``obligation`` with a fresh solver bounded by ``timeout_ms``.
+
+    The time covers building the facts, solving and rendering.
+    """
+    start = time.perf_counter()
+    solver = z3.Solver()
+    solver.set(timeout=timeout_ms)
+    solver.add(*obligation.build())
+    verdict = solver.check()
+    if verdict == z3.unsat:
+        status: Status = "proved"
+        detail = ""
+    elif verdict == z3.sat:
+        status = "counterexample"
+        detail = obligation.render(solver.model())
+    else:
+        status = "unknown"
+        detail = f"solver returned unknown: {solver.reason_unknown()}"
+    return Result(obligation, status, time.perf_counter() - start, detail)
+
+
+def as_int(model: z3.ModelRef, term: z3.ArithRef | int) -> int:
+    """Value of an integer term in ``model`` (unconstrained symbols default to 0)."""
+    if isinstance(term, int):
+        return term
+    value = model.eval(term, model_completion=True)
+    if not isinstance(value, z3.IntNumRef):
+        raise ValueError(f"{term} does not evaluate to an integer literal: {value}")
+    return value.as_long()
+
+
+def as_bool(model: z3.ModelRef, term: z3.BoolRef | bool) -> bool:
+    """Value of a Boolean term in ``model`` (unconstrained symbols default to False)."""
+    if isinstance(term, bool):
+        return term
+    return z3.is_true(model.eval(term, model_completion=True))
+
+
+def model_values(model: z3.ModelRef) -> dict[str, int | bool]:
+    """The model's constants as Python values, skipping ``div0``/``mod0`` artefacts."""
+    values: dict[str, int | bool] = {}
+    for decl in model.decls():
+        if decl.arity() != 0 or decl.name() in _ARTEFACTS:
+            continue
+        value = model[decl]
+        if isinstance(value, z3.IntNumRef):
+            values[decl.name()] = value.as_long()
+        elif z3.is_bool(value):
+            values[decl.name()] = z3.is_true(value)
+    return dict(sorted(values.items()))
+
+
+def fmt_bools(bits: Sequence[bool]) -> str:
+    """``[T,F,T]``: a Boolean mask as the scenarios in sglang_semantics.md §9 write it."""
+    return "[" + ",".join("T" if bit else "F" for bit in bits) + "]"

@@ -1,0 +1,42 @@
+"""Every runtime mutant is killed by the lockstep suite under the ``ci`` profile; S3 is rediscovered.
+
+Kills run without the shrinking phase (a kill needs one failing example); the S3
+test shrinks, because the issue asks for the shrunk trace (<= 8 steps).
+"""
+
+import re
+
+import pytest
+
+from kvproof.conformance.check import kill_mutants, run_swa_allocator_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.mutants.swa_allocator import MUTANTS
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_killed(name: str) -> None:
+    (verdict,) = kill_mutants({name: MUTANTS[name]}, CONFORMANCE_CONFIGS, profile="ci")
+    assert verdict.killed, f"mutant {name} survived the ci profile on every config"
+    assert "HarnessError" not in verdict.evidence, verdict.evidence
+
+
+def test_at_least_ten_mutants() -> None:
+    assert len(MUTANTS) >= 10
+
+
+def _trace(failure: str) -> list[str]:
+    block = failure.split("operations so far:")[1].split("\n\n")[0]
+    return re.findall(r"^\s+\d+\. (\w+)\(", block, flags=re.M)
+
+
+def test_s3_stale_mapping_rediscovered_and_shrunk() -> None:
+    """S3 (sglang_semantics.md §9, R1 + R3): draft, restore_state, tail allocation over the draft's page."""
+    config = next(c for c in CONFORMANCE_CONFIGS if c.page_size == 2)
+    report = run_swa_allocator_check(MUTANTS["stale_tail_mapping"], config, profile="ci",
+                                     impl_name="stale_tail_mapping (pre-#25805)", failures_dir=None)
+    assert not report.passed
+    ops = _trace(report.failure or "")
+    assert len(ops) <= 8, ops
+    assert "restore_state" in ops and ops[-1] == "alloc_extend_swa_tail", ops
+    assert ops.index("backup_state") < ops.index("restore_state")
+    assert "stale mapping" in (report.failure or "")

@@ -1,0 +1,103 @@
+"""Shape of the obligation registry: unique names, twins, docstrings, filters, verdict rules."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import z3
+
+import kvproof.spec as spec
+from kvproof.spec import OBLIGATIONS, Obligation, Result, obligations, run
+from kvproof.spec._solver import Expect, as_int, model_values
+
+SOUND = [ob for ob in OBLIGATIONS if ob.twin_of is None]
+TWINS = [ob for ob in OBLIGATIONS if ob.twin_of is not None]
+
+
+def test_names_are_unique_dotted_ids() -> None:
+    names = [ob.name for ob in OBLIGATIONS]
+    assert len(names) == len(set(names))
+    assert all("." in name and " " not in name for name in names)
+
+
+def test_sound_obligations_expect_proof_and_twins_expect_counterexamples() -> None:
+    assert all(ob.expect == "proved" for ob in SOUND)
+    assert all(ob.expect == "counterexample" for ob in TWINS)
+
+
+@pytest.mark.parametrize("sound", SOUND, ids=[ob.name for ob in SOUND])
+def test_every_sound_obligation_has_a_broken_twin(sound: Obligation) -> None:
+    assert any(twin.twin_of == sound.name for twin in TWINS), f"{sound.name} has no broken twin"
+
+
+def test_every_twin_names_an_existing_sound_obligation() -> None:
+    sound_names = {ob.name for ob in SOUND}
+    assert {ob.twin_of for ob in TWINS} <= sound_names
+
+
+def test_fields_are_filled() -> None:
+    families = {module.FAMILY for module in spec.FAMILY_MODULES}
+    for ob in OBLIGATIONS:
+        assert ob.component == "swa_allocator"
+        assert ob.family in families
+        assert ob.statement and "\n" not in ob.statement
+
+
+def _spec_modules() -> list[str]:
+    return ["kvproof.spec"] + [f"kvproof.spec.{m.name}" for m in pkgutil.iter_modules(spec.__path__)]
+
+
+@pytest.mark.parametrize("name", _spec_modules())
+def test_every_module_has_a_docstring_citing_the_semantics(name: str) -> None:
+    doc = importlib.import_module(name).__doc__
+    assert doc and "sglang_semantics.md" in doc, f"{name}: docstring must cite sglang_semantics.md"
+
+
+def test_family_modules_are_all_registered() -> None:
+    registered = {ob.name for module in spec.FAMILY_MODULES for ob in module.OBLIGATIONS}
+    assert registered == {ob.name for ob in OBLIGATIONS}
+    assert [ob.name for ob in OBLIGATIONS] == [ob.name for m in spec.FAMILY_MODULES for ob in m.OBLIGATIONS]
+
+
+def test_obligations_filters() -> None:
+    assert obligations() == OBLIGATIONS
+    assert obligations(component="swa_allocator") == OBLIGATIONS
+    assert obligations(component="nope") == ()
+    tail = obligations(name_filter="swa_tail.")
+    assert tail and all("swa_tail." in ob.name for ob in tail)
+    assert [ob.name for ob in obligations(name_filter="swa_tail.upper_bound*")][0] == "swa_tail.upper_bound"
+    assert obligations(name_filter="s3_double_free")[0].name == "swa_allocator.s3_double_free"
+
+
+def _toy(expect: Expect, *facts: z3.BoolRef) -> Obligation:
+    return Obligation("toy.x", "test", "toy", "a toy claim", expect, lambda: list(facts), lambda m: "x=1")
+
+
+def test_unknown_is_never_ok_and_carries_the_reason() -> None:
+    x, y, z = z3.Ints("x y z")
+    hard = _toy("proved", x > 0, y > 0, z > 0, x * x * x + y * y * y == z * z * z)
+    result = run(hard, timeout_ms=1)
+    assert result.status == "unknown"
+    assert not result.ok
+    assert "unknown" in result.detail and result.detail != "solver returned unknown: "
+    assert not Result(_toy("counterexample"), "unknown", 0.0, "timeout").ok
+
+
+def test_verdicts_match_expectations() -> None:
+    x = z3.Int("x")
+    assert run(_toy("proved", x > 0, x < 0)).ok
+    refuted = run(_toy("counterexample", x > 0))
+    assert refuted.ok and refuted.detail == "x=1"
+    assert not run(_toy("proved", x > 0)).ok
+
+
+def test_model_values_skip_division_by_zero_artefacts() -> None:
+    n, d = z3.Ints("n d")
+    solver = z3.Solver()
+    solver.add(d == 0, n / d == 7, n % d == 3, n == 5)
+    assert solver.check() == z3.sat
+    model = solver.model()
+    assert model_values(model) == {"d": 0, "n": 5}
+    assert as_int(model, n + 1) == 6

@@ -1,0 +1,45 @@
+"""The kvproof command line: exit codes, tables, errors that name what was wrong."""
+
+from click.testing import CliRunner
+
+from kvproof.cli import main
+
+
+def run(*args: str):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(main, list(args))
+
+
+def test_prove_filtered_passes_and_prints_rows() -> None:
+    result = run("prove", "-k", "swa_tail")
+    assert result.exit_code == 0, result.output
+    assert "swa_tail.upper_bound" in result.output and "0 failed" in result.output
+
+
+def test_prove_nothing_selected_is_an_error() -> None:
+    assert run("prove", "-k", "no-such-obligation").exit_code == 1
+
+
+def test_conform_bad_impl_names_the_problem() -> None:
+    result = run("conform", "--impl", "kvproof.nope:factory")
+    assert result.exit_code == 2
+    assert "cannot import 'kvproof.nope'" in result.output
+
+
+def test_conform_unknown_config_lists_choices() -> None:
+    result = run("conform", "--config", "P9-W9")
+    assert result.exit_code != 0
+    assert "P4-W6-F48-S24" in str(result.exception) + result.output
+
+
+def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None:
+    result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:StaleTailMapping",
+                 "--config", "P2-W3-F24-S12", "--profile", "ci")
+    assert result.exit_code == 1
+    assert "operations so far" in result.output
+    assert "replay: kvproof conform --impl kvproof.conformance.mutants.swa_allocator:StaleTailMapping" in result.output
+
+
+def test_conform_runtime_one_config() -> None:
+    result = run("conform", "--config", "P4-W2-F32-S16", "--profile", "dev")
+    assert result.exit_code == 0, result.output
+    assert "pass" in result.output
