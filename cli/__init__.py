@@ -150,6 +150,6 @@ def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untype
             console.print(f"[yellow]{r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
         if not r.passed:
             console.print(f"\n[bold red]{r.config.label()} failed[/]", highlight=False)
-            console.print(r.failure, markup=False, highlight=False)
+            console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
             if r.failure_file:
                 console.print(f"(saved to {r.failure_file})")

@@ -4,8 +4,9 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 
 * lockstep steps/s: the ``swa_allocator`` state machine against kvproof's torch
   runtime under a fixed derandomized profile (steps = checked transitions);
-* runtime throughput: ``alloc_extend`` (one request, 0 -> n tokens) + ``free`` pairs
-  per second at page size 1 and 4, on the runtime's default device;
+* runtime throughput: ``alloc_extend`` (one request, 0 -> n tokens, n in 1..64) +
+  ``free`` pairs per second at page size 1 and 4, on the runtime's default device,
+  and the same pairs on the pure-Python reference over the same 16k-token pool;
 * harness overhead = (time of one lockstep step) / (time of one bare runtime op),
   where a bare op is half of an alloc_extend+free pair at page size 4.
 """
@@ -35,9 +36,14 @@ def _lengths(count: int, seed: int = 0) -> list[int]:
     return [rng.randint(1, 64) for _ in range(count)]
 
 
+def _bench_config(page_size: int) -> PoolConfig:
+    """One pool size for the runtime and the reference, so their ratio compares like with like."""
+    return PoolConfig(size_full=1 << 14, size_swa=1 << 13, page_size=page_size, sliding_window_size=128)
+
+
 def runtime_pairs_per_second(page_size: int, pairs: int) -> tuple[float, str]:
     """alloc_extend(0 -> n) + free pairs per second on the torch runtime; also returns the device."""
-    cfg = PoolConfig(size_full=1 << 16, size_swa=1 << 15, page_size=page_size, sliding_window_size=128)
+    cfg = _bench_config(page_size)
     alloc = SWATokenToKVPoolAllocator(cfg)
     dev = alloc.device
     zero, zero_cpu, minus = torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64), \
@@ -55,8 +61,7 @@ def runtime_pairs_per_second(page_size: int, pairs: int) -> tuple[float, str]:
 
 def reference_pairs_per_second(page_size: int, pairs: int) -> float:
     """The same pairs on the pure-Python reference (for context: the oracle's own cost)."""
-    cfg = PoolConfig(size_full=1 << 12, size_swa=1 << 11, page_size=page_size, sliding_window_size=128)
-    state = ref.initial_state(cfg)
+    state = ref.initial_state(_bench_config(page_size))
     start = time.perf_counter()
     for n in _lengths(pairs):
         state, slots = ref.alloc_extend(state, [0], [n], [-1], n)

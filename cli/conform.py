@@ -46,9 +46,9 @@ def run_mutants(profile: str) -> list[MutantVerdict]:
 
 def mutants_table(verdicts: list[MutantVerdict]) -> Table:
     table = Table(title="kvproof mutants (swa_allocator runtime)")
-    for col in ("mutant", "verdict", "caught on", "seconds", "first words of the verdict"):
+    for col in ("mutant", "verdict", "caught on", "seconds", "what diverged"):
         table.add_column(col, justify="right" if col == "seconds" else "left", overflow="fold")
     for v in verdicts:
         mark = "[green]killed[/]" if v.killed else "[red]SURVIVED[/]"
-        table.add_row(v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:90])
+        table.add_row(v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:110])
     return table

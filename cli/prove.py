@@ -32,4 +32,4 @@ def print_failures(console: Console, results: list[Result], *, show_counterexamp
             head = "FAILED" if not r.ok else "counterexample (expected)"
             console.print(f"\n[bold]{r.obligation.name}[/] {head}: {r.obligation.statement}")
             if r.detail:
-                console.print(r.detail, markup=False, highlight=False)
+                console.print(r.detail, markup=False, highlight=False, soft_wrap=True)

@@ -145,7 +145,14 @@ def kill_mutants(mutants: dict[str, AllocatorFactory], configs: tuple[PoolConfig
             if not report.passed:
                 hit = report
                 break
-        evidence = (hit.failure or "").splitlines()[:2] if hit else ["survived every config"]
         verdicts.append(MutantVerdict(name, hit is not None, hit.config.label() if hit else None,
-                                      time.perf_counter() - start, " ".join(s.strip() for s in evidence)))
+                                      time.perf_counter() - start, _evidence(hit.failure if hit else None)))
     return verdicts
+
+
+def _evidence(failure: str | None) -> str:
+    """The line that says what diverged (the one after the lockstep header), or the first line."""
+    if failure is None:
+        return "survived every config"
+    lines = [line.strip() for line in failure.splitlines() if line.strip()]
+    return lines[1] if len(lines) > 1 and lines[0].startswith("LockstepFailure") else lines[0]

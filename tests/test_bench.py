@@ -1,0 +1,13 @@
+"""``kvproof bench`` runs end to end and reports positive numbers (no assertion on speed)."""
+
+from rich.console import Console
+
+from kvproof.cli.bench import run_bench
+
+
+def test_bench_quick_reports_every_measure() -> None:
+    console = Console(record=True, width=120)
+    numbers = run_bench(console, quick=True)
+    assert set(numbers) == {"pairs_p1", "pairs_p4", "ref_pairs_p4", "steps_per_s", "overhead"}
+    assert all(value > 0 for value in numbers.values())
+    assert "harness overhead" in console.export_text()
