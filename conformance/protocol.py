@@ -29,7 +29,7 @@ import torch
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "AllocatorFactory"]
+__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "LocCacheSystemUnderTest", "AllocatorFactory"]
 
 
 class Capability(str, enum.Enum):
@@ -45,6 +45,11 @@ class Capability(str, enum.Enum):
     KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer
     REJECTS_MISUSE = "rejects_misuse"  # raises InvalidOperation for observable misuse, state unchanged
     EXACT_PAGE_ORDER = "exact_page_order"  # hands out pages in the reference's (SGLang 0.5.23) order
+    SET_FULL_TO_SWA_MAPPING = "set_full_to_swa_mapping"  # re-attach SWA slots to live full slots
+    # loc_cache (sglang_semantics.md §3): the engine-level hooks of LocCacheSystemUnderTest
+    REGISTER_MAPPING = "register_mapping"  # a fresh mapping (all pages free) registered with the KV pool
+    FORWARD = "forward"  # a forward pass writing every layer's KV through the (cached) translation
+    GRAPH_CAPTURE = "graph_capture"  # capture run_once on static buffers; replay it
 
 
 @runtime_checkable
@@ -103,6 +108,38 @@ class SWAAllocatorUnderTest(Protocol):
     def get_kvcache(self) -> KVPoolUnderTest: ...
 
     def snapshot(self) -> AllocatorSnapshot: ...
+
+    def set_full_to_swa_mapping(self, full_indices: torch.Tensor, swa_indices: torch.Tensor) -> None:
+        """``M[full] = swa`` (HiCache load-back); the live mapping must stay well formed."""
+
+
+@runtime_checkable
+class LocCacheSystemUnderTest(SWAAllocatorUnderTest, Protocol):
+    """An allocator whose KV pool translates full -> SWA locations through a cache (component ``loc_cache``).
+
+    ``translate_loc_from_full_to_swa`` (on the allocator and on ``get_kvcache()``) may
+    memoise; ``forward`` / ``capture`` / ``replay`` are the engine's hooks (model runner
+    and CUDA-graph runner) and carry its invalidation points. Index tensors the harness
+    passes live in memory whose addresses it controls, so address reuse is
+    reproducible. Whatever the implementation caches, every translation it returns
+    must equal ``M[contents]`` at that moment, provided the caller keeps contract E1
+    (``kvproof.reference.loc_cache``).
+    """
+
+    def register_mapping(self) -> None:
+        """Replace the mapping with a fresh one (every page free) and register it with the KV pool."""
+
+    def forward(self, out_cache_loc: torch.Tensor, cache_k: dict[int, torch.Tensor],
+                cache_v: dict[int, torch.Tensor]) -> None:
+        """One forward: the per-forward hook, then ``set_kv_buffer`` of each layer in ``cache_k`` at ``out_cache_loc``."""
+
+    def capture(self, static_loc: torch.Tensor, static_k: dict[int, torch.Tensor],
+                static_v: dict[int, torch.Tensor]) -> None:
+        """Warm up and capture ``run_once`` (each layer's ``set_kv_buffer`` from the static buffers at
+        ``static_loc``); ``static_loc`` holds padding (0) while capturing. Replaces an earlier graph."""
+
+    def replay(self) -> None:
+        """A forward that replays the captured graph on the static buffers' current contents."""
 
 
 AllocatorFactory = Callable[[PoolConfig], SWAAllocatorUnderTest]

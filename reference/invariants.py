@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kvproof.reference.errors import InvariantViolation
 from kvproof.reference.paged import PagedPool
-from kvproof.reference.swa_allocator import SWAAllocatorState, is_live
+from kvproof.reference.swa_allocator import SWAAllocatorState, check_live_mapping
 
 __all__ = ["check_invariants", "check_pool"]
 
@@ -58,27 +58,4 @@ def check_invariants(state: SWAAllocatorState) -> None:
     top = (cfg.num_pages_swa + 1) * p
     bad = [(f, m) for f, m in enumerate(mapping[:-1]) if m != 0 and not p <= m < top]
     _ensure(not bad, "M1", f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
-    _check_live_mapping(state)
-
-
-def _check_live_mapping(state: SWAAllocatorState) -> None:
-    """M2 (as maintained) and M5 over live slots, plus: every owned SWA page is reachable."""
-    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
-    seen: dict[int, int] = {}
-    page_of_swa_page: dict[int, int] = {}
-    for f, s in enumerate(mapping[:-1]):
-        if s <= 0 or not is_live(state, f):
-            continue
-        g, h = f // p, s // p
-        # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
-        _ensure(state.swa.is_allocated(h), "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
-        _ensure(state.swa.owner[h] == state.full.owner[g], "M2",
-                f"full slot {f} (owner {state.full.owner[g]}) maps to SWA slot {s} of owner {state.swa.owner[h]}")
-        _ensure(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
-        seen[s] = f
-        # M5: same offset in page, and one SWA page pairs with one full page
-        _ensure(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
-        _ensure(page_of_swa_page.setdefault(h, g) == g, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
-    orphans = [h for h in range(1, state.swa.num_pages + 1) if state.swa.is_allocated(h) and h not in page_of_swa_page]
-    # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
-    _ensure(not orphans, "G3", f"SWA pages owned but mapped from no live full slot: {orphans}")
+    check_live_mapping(state)

@@ -72,6 +72,8 @@ __all__ = [
     "get_cpu_copy",
     "load_cpu_copy",
     "set_kv_buffer",
+    "set_full_to_swa_mapping",
+    "check_live_mapping",
     "translate_loc_from_full_to_swa",
     "available_size",
     "full_available_size",
@@ -339,14 +341,39 @@ def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAlloc
     return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill, "epoch": state.epoch + 1})
 
 
+def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int],
+                            swa_indices: Sequence[int]) -> SWAAllocatorState:
+    """``M[full] = swa``: re-attach SWA slots to live full slots (HiCache load-back, §1.5).
+
+    The new live mapping must stay well formed (M2, M5, no stranded SWA page); an
+    empty call is a no-op (upstream returns before anything else).
+    """
+    op = "set_full_to_swa_mapping"
+    _require(len(full_indices) == len(swa_indices), op, "swa_indices",
+             f"{len(swa_indices)} SWA slots for {len(full_indices)} full slots")
+    if not full_indices:
+        return state
+    _check_live(state, op, "full_indices", full_indices, duplicates_ok=False)
+    new = _set_mapping(state, full_indices, swa_indices)
+    try:
+        check_live_mapping(new)
+    except InvariantViolation as err:
+        raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
+    return new
+
+
 # ---------------------------------------------------------------- KV rows and CPU copies
 
 
 def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
-                  cache_k: Sequence[Sequence[float]], cache_v: Sequence[Sequence[float]]) -> SWAAllocatorState:
-    """Write K/V rows of tokens at full slots ``loc``; SWA layers write through ``M[loc]``.
+                  cache_k: Sequence[Sequence[float]], cache_v: Sequence[Sequence[float]], *,
+                  swa_loc: Sequence[int] | None = None) -> SWAAllocatorState:
+    """Write K/V rows of tokens at full slots ``loc``; SWA layers write at ``swa_loc``.
 
-    An SWA write through an unmapped slot lands on the padding slot 0 and is lost.
+    ``swa_loc`` is the caller's translation of ``loc`` (#27617 passes it in); by
+    default ``M[loc]``. A cached translation may be stale (``kvproof.reference.loc_cache``):
+    the rows then land wherever it points. An SWA write to slot 0 (an unmapped token)
+    lands on the padding slot and is lost.
     """
     op, geo = "set_kv_buffer", state.config.kv
     _require(0 <= layer_id < geo.num_layers, op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
@@ -355,7 +382,12 @@ def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
     for row in (*cache_k, *cache_v):
         _require(len(row) == geo.row_width, op, "cache_k", f"row of {len(row)} values, expected {geo.row_width}")
     _check_live(state, op, "loc", loc, duplicates_ok=False)
-    dest = tuple(state.full_to_swa_index_mapping[f] for f in loc) if geo.is_swa_layer(layer_id) else tuple(loc)
+    if swa_loc is not None:
+        _require(len(swa_loc) == len(loc), op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
+    if not geo.is_swa_layer(layer_id):
+        dest = tuple(loc)
+    else:
+        dest = tuple(swa_loc) if swa_loc is not None else tuple(state.full_to_swa_index_mapping[f] for f in loc)
     rows = [tuple(float(x) for x in k) + tuple(float(x) for x in v) for k, v in zip(cache_k, cache_v, strict=True)]
     return state.model_copy(update={"kv": write_rows(state.kv, layer_id, dest, rows)})
 
@@ -582,3 +614,35 @@ def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:
     for page in free_pages:
         owner[page] = None
     return pool.model_copy(update={"free_pages": free_pages, "owner": tuple(owner)})
+
+
+def check_live_mapping(state: SWAAllocatorState) -> None:
+    """M2 (as maintained) and M5 over live slots, plus: every owned SWA page is reachable (G3).
+
+    Raises :class:`InvariantViolation`; :mod:`kvproof.reference.invariants` runs it with
+    the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
+    """
+    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    seen: dict[int, int] = {}
+    page_of_swa_page: dict[int, int] = {}
+    for f, s in enumerate(mapping[:-1]):
+        if s <= 0 or not is_live(state, f):
+            continue
+        g, h = f // p, s // p
+        # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
+        _ensure_invariant(state.swa.is_allocated(h), "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
+        _ensure_invariant(state.swa.owner[h] == state.full.owner[g], "M2",
+                f"full slot {f} (owner {state.full.owner[g]}) maps to SWA slot {s} of owner {state.swa.owner[h]}")
+        _ensure_invariant(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
+        seen[s] = f
+        # M5: same offset in page, and one SWA page pairs with one full page
+        _ensure_invariant(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
+        _ensure_invariant(page_of_swa_page.setdefault(h, g) == g, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
+    orphans = [h for h in range(1, state.swa.num_pages + 1) if state.swa.is_allocated(h) and h not in page_of_swa_page]
+    # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
+    _ensure_invariant(not orphans, "G3", f"SWA pages owned but mapped from no live full slot: {orphans}")
+
+
+def _ensure_invariant(condition: bool, invariant: str, message: str) -> None:
+    if not condition:
+        raise InvariantViolation(invariant, message)
