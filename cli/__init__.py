@@ -58,13 +58,18 @@ def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_
     sys.exit(1 if bad or not results else 0)
 
 
+COMPONENT = click.option("--component", "components", multiple=True, type=click.Choice(["swa_allocator", "loc_cache"]),
+                         help="Run only this component's suite; repeatable. Default: all.")
+
+
 @main.command()
 @click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
               help="Implementation factory (PoolConfig -> allocator). Default: kvproof's torch runtime.")
 @PROFILE
 @CONFIG
-def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...]) -> None:
-    """Run the lockstep conformance suite (component swa_allocator)."""
+@COMPONENT
+def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], components: tuple[str, ...]) -> None:
+    """Run the lockstep conformance suites (swa_allocator, loc_cache)."""
     from kvproof.cli.conform import conform as run_conform, conform_table
     from kvproof.cli.impl import DEFAULT_IMPL, load_factory
 
@@ -74,7 +79,8 @@ def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...]) -> No
         factory = load_factory(spec)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--impl") from err
-    reports = run_conform(factory, spec, profile, configs, on_report=lambda r: _report_progress(console, r))
+    reports = run_conform(factory, spec, profile, configs, on_report=lambda r: _report_progress(console, r),
+                          components=components or ("swa_allocator", "loc_cache"))
     console.print(conform_table(reports))
     _print_reports(console, reports)
     sys.exit(0 if all(r.passed for r in reports) else 1)
@@ -93,7 +99,7 @@ def check(profile: str) -> None:
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
     reports = run_conform(load_factory(DEFAULT_IMPL), DEFAULT_IMPL, profile,
-                          on_report=lambda r: _report_progress(console, r))
+                          on_report=lambda r: _report_progress(console, r), components=("swa_allocator", "loc_cache"))
     console.print(conform_table(reports))
     _print_reports(console, reports)
     verdicts = run_mutants(profile)
@@ -105,7 +111,7 @@ def check(profile: str) -> None:
     conformed = sum(r.passed for r in reports)
     killed = sum(v.killed for v in verdicts)
     rows = [("prove (obligations + broken twins)", len(results), proved),
-            ("conform swa_allocator (pool configs)", len(reports), conformed),
+            ("conform (components x pool configs)", len(reports), conformed),
             ("mutants killed (test the tester)", len(verdicts), killed)]
     for part, n, ok in rows:
         summary.add_row(part, str(n), str(ok), "[green]pass[/]" if ok == n and n else "[red]FAIL[/]")
@@ -147,9 +153,9 @@ def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untype
                       f"{', '.join(first.not_applicable)}")
     for r in reports:
         if r.never_run:
-            console.print(f"[yellow]{r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
+            console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
         if not r.passed:
-            console.print(f"\n[bold red]{r.config.label()} failed[/]", highlight=False)
+            console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
             if r.failure_file:
                 console.print(f"(saved to {r.failure_file})")

@@ -8,7 +8,9 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   ``free`` pairs per second at page size 1 and 4, on the runtime's default device,
   and the same pairs on the pure-Python reference over the same 16k-token pool;
 * harness overhead = (time of one lockstep step) / (time of one bare runtime op),
-  where a bare op is half of an alloc_extend+free pair at page size 4.
+  where a bare op is half of an alloc_extend+free pair at page size 4;
+* ``loc_cache``: the cost of ``translate_loc_from_full_to_swa`` on a cache hit and on a
+  miss (invalidate + gather), for 64 and 4096 slots.
 """
 
 from __future__ import annotations
@@ -83,6 +85,30 @@ def lockstep_steps_per_second(examples: int) -> tuple[float, int]:
     return steps / seconds, steps
 
 
+def translate_cost_us(numel: int, calls: int) -> tuple[float, float]:
+    """Microseconds per ``translate_loc_from_full_to_swa`` call of ``numel`` slots: cache hit, cache miss.
+
+    A miss is measured as an invalidation followed by the translation (what a forward's
+    first SWA layer pays); a hit is the same tensor translated again (every later layer).
+    """
+    cfg = _bench_config(4)
+    alloc = SWATokenToKVPoolAllocator(cfg)
+    pool, dev = alloc.get_kvcache(), alloc.device
+    loc = torch.arange(cfg.page_size, cfg.page_size + numel, dtype=torch.int64, device=dev)
+    pool.translate_loc_from_full_to_swa(loc)
+    timings = []
+    for invalidate in (False, True):
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(calls):
+            if invalidate:
+                pool.invalidate_loc_cache()
+            pool.translate_loc_from_full_to_swa(loc)
+        _sync(dev)
+        timings.append((time.perf_counter() - start) / calls * 1e6)
+    return timings[0], timings[1]
+
+
 def _sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -94,6 +120,8 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
     steps_per_s, steps = lockstep_steps_per_second(examples)
+    hit64, miss64 = translate_cost_us(64, pairs)
+    hit4k, miss4k = translate_cost_us(4096, pairs)
     op_seconds = 1.0 / (2 * p4)
     overhead = (1.0 / steps_per_s) / op_seconds
     table = Table(title=f"kvproof bench (runtime device: {device}, torch {torch.__version__})")
@@ -106,8 +134,12 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
         "runtime / reference speed, P=4": f"{p4 / r4:.1f}x",
         f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
+        "loc_cache translate, 64 slots: hit / miss (us)": f"{hit64:.2f} / {miss64:.2f}",
+        "loc_cache translate, 4096 slots: hit / miss (us)": f"{hit4k:.2f} / {miss4k:.2f}",
+        "loc_cache miss / hit, 4096 slots": f"{miss4k / hit4k:.1f}x",
     }
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)
-    return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead}
+    return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
+            "translate_hit_us": hit4k, "translate_miss_us": miss4k}

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from rich.table import Table
 
-from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, run_swa_allocator_check
+from kvproof.conformance.check import SUITES, CheckReport, MutantVerdict, kill_mutants, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS, config_by_label
 from kvproof.reference.config import PoolConfig
 
@@ -14,41 +14,48 @@ __all__ = ["conform", "conform_table", "run_mutants", "mutants_table"]
 
 
 def conform(factory: Callable, impl_spec: str, profile: str, labels: Sequence[str] = (),
-            on_report: Callable[[CheckReport], None] | None = None) -> list[CheckReport]:
+            on_report: Callable[[CheckReport], None] | None = None,
+            components: Sequence[str] = ("swa_allocator",)) -> list[CheckReport]:
     configs: Sequence[PoolConfig] = [config_by_label(x) for x in labels] or CONFORMANCE_CONFIGS
     reports = []
-    for cfg in configs:
-        replay = f"kvproof conform --impl {impl_spec} --config {cfg.label()} --profile {profile}"
-        report = run_swa_allocator_check(factory, cfg, profile=profile, impl_name=impl_spec, replay=replay)
-        reports.append(report)
-        if on_report:
-            on_report(report)
+    for component in components:
+        for cfg in configs:
+            replay = (f"kvproof conform --component {component} --impl {impl_spec} --config {cfg.label()} "
+                      f"--profile {profile}")
+            report = run_check(component, factory, cfg, profile=profile, impl_name=impl_spec, replay=replay)
+            reports.append(report)
+            if on_report:
+                on_report(report)
     return reports
 
 
 def conform_table(reports: list[CheckReport]) -> Table:
-    table = Table(title="kvproof conform (swa_allocator)")
-    for col in ("config", "verdict", "examples", "steps", "ok", "OutOfMemory", "InvalidOperation", "n/a", "seconds"):
-        table.add_column(col, justify="left" if col in ("config", "verdict") else "right")
+    table = Table(title="kvproof conform")
+    for col in ("component", "config", "verdict", "examples", "steps", "ok", "OutOfMemory", "InvalidOperation", "n/a",
+                "seconds"):
+        table.add_column(col, justify="left" if col in ("component", "config", "verdict") else "right")
     for r in reports:
         verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
-        table.add_row(r.config.label(), verdict, str(r.examples), str(r.steps), str(r.outcomes.get("ok", 0)),
+        table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(r.outcomes.get("ok", 0)),
                       str(r.outcomes.get("OutOfMemory", 0)), str(r.outcomes.get("InvalidOperation", 0)),
                       str(len(r.not_applicable)), f"{r.seconds:.1f}")
     return table
 
 
-def run_mutants(profile: str) -> list[MutantVerdict]:
-    from kvproof.conformance.mutants import SWA_ALLOCATOR_MUTANTS
+def run_mutants(profile: str, components: Sequence[str] = tuple(SUITES)) -> list[MutantVerdict]:
+    from kvproof.conformance.mutants import MUTANTS
 
-    return kill_mutants(SWA_ALLOCATOR_MUTANTS, CONFORMANCE_CONFIGS, profile=profile)
+    verdicts = []
+    for component in components:
+        verdicts += kill_mutants(MUTANTS[component], CONFORMANCE_CONFIGS, profile=profile, component=component)
+    return verdicts
 
 
 def mutants_table(verdicts: list[MutantVerdict]) -> Table:
-    table = Table(title="kvproof mutants (swa_allocator runtime)")
-    for col in ("mutant", "verdict", "caught on", "seconds", "what diverged"):
+    table = Table(title="kvproof mutants (runtime variants that must be killed)")
+    for col in ("component", "mutant", "verdict", "caught on", "seconds", "what diverged"):
         table.add_column(col, justify="right" if col == "seconds" else "left", overflow="fold")
     for v in verdicts:
         mark = "[green]killed[/]" if v.killed else "[red]SURVIVED[/]"
-        table.add_row(v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:110])
+        table.add_row(v.component, v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:100])
     return table

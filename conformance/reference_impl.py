@@ -61,6 +61,7 @@ class ReferenceAllocator:
         self.config = config
         self.state = ref.initial_state(config)
         self._kv = ReferenceKVPool(self)
+        self._graph: tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
 
     def alloc(self, need_size: int) -> torch.Tensor:
         self.state, slots = ref.alloc(self.state, need_size)
@@ -121,6 +122,28 @@ class ReferenceAllocator:
 
     def get_kvcache(self) -> ReferenceKVPool:
         return self._kv
+
+    def set_full_to_swa_mapping(self, full_indices: torch.Tensor, swa_indices: torch.Tensor) -> None:
+        self.state = ref.set_full_to_swa_mapping(self.state, _ints(full_indices), _ints(swa_indices))
+
+    # ---- loc_cache hooks: the reference translates without a cache, so nothing can be stale
+
+    def register_mapping(self) -> None:
+        self.state = ref.clear(self.state)
+
+    def forward(self, out_cache_loc: torch.Tensor, cache_k: dict[int, torch.Tensor],
+                cache_v: dict[int, torch.Tensor]) -> None:
+        for layer_id in sorted(cache_k):
+            self._kv.set_kv_buffer(layer_id, out_cache_loc, cache_k[layer_id], cache_v[layer_id])
+
+    def capture(self, static_loc: torch.Tensor, static_k: dict[int, torch.Tensor],
+                static_v: dict[int, torch.Tensor]) -> None:
+        self._graph = (static_loc, static_k, static_v)
+
+    def replay(self) -> None:
+        if self._graph is None:
+            raise ref.InvalidOperation("replay", "graph", "nothing was captured")
+        self.forward(*self._graph)
 
     def snapshot(self) -> AllocatorSnapshot:
         return ref.snapshot(self.state)

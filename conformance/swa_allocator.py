@@ -52,6 +52,7 @@ RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
     "backup_state": frozenset({C.BACKUP_RESTORE}),
     "restore_state": frozenset({C.BACKUP_RESTORE}),
     "set_kv_buffer": frozenset({C.KV_BUFFER}),
+    "set_full_to_swa_mapping": frozenset({C.SET_FULL_TO_SWA_MAPPING}),
     "get_cpu_copy": frozenset({C.CPU_COPY}),
     "load_cpu_copy": frozenset({C.CPU_COPY}),
     "misuse": frozenset({C.REJECTS_MISUSE}),
@@ -65,6 +66,41 @@ class LockstepFailure(AssertionError):
 
 class HarnessError(RuntimeError):
     """The harness itself generated a call the reference rejects: a bug in kvproof, not in the implementation."""
+
+
+class Trace:
+    """The operations of one test case, grouped by state-machine step (a rule and what it did)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[str]] = [[]]
+        self._heads: list[int | None] = [None]
+
+    def op(self, text: str, *, aside: str | None = None) -> None:
+        """Record an operation; an ``aside`` (e.g. a harness read around the step's operation) is annotated."""
+        if aside is None and self._heads[-1] is None:
+            self._heads[-1] = len(self.steps[-1])
+        self.steps[-1].append(f"{text}" if aside is None else f"({aside}) {text}")
+
+    def outcome(self, text: str) -> None:
+        self.steps[-1][-1] += text
+
+    def next_step(self) -> None:
+        if self.steps[-1]:
+            self.steps.append([])
+            self._heads.append(None)
+
+    def __len__(self) -> int:
+        return sum(1 for step in self.steps if step)
+
+    def render(self) -> str:
+        """Numbered steps, each headed by its own operation; asides and further operations indented, in order."""
+        lines = []
+        steps = [(s, h) for s, h in zip(self.steps, self._heads, strict=True) if s]
+        for i, (step, head) in enumerate(steps, 1):
+            first = head if head is not None else 0
+            lines.append(f"  {i}. {step[first]}")
+            lines += [f"       {'then ' if j > first else 'before: '}{op}" for j, op in enumerate(step) if j != first]
+        return "\n".join(lines) or "  (no operation yet)"
 
 
 @dataclass
@@ -131,20 +167,27 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         self.retracted: list[Retracted] = []
         self.pending: Pending | None = None
         self.next_rid, self.tag = 1, 0
-        self.log: list[str] = []
+        self.trace = Trace()
+        self.last_op = ""
         self.stats.examples += 1
 
     # ------------------------------------------------------------ plumbing
 
     def _fail(self, message: str) -> None:
-        trace = "\n".join(f"  {i}. {line}" for i, line in enumerate(self.log, 1)) or "  (no operation yet)"
         raise LockstepFailure(
-            f"{self.impl_name} diverged from the reference [{self.config.label()}] at step {len(self.log)}:\n"
-            f"  {message}\n\noperations so far:\n{trace}\n\n{self.replay_hint}"
+            f"{self.impl_name} diverged from the reference [{self.config.label()}] at step {len(self.trace)}:\n"
+            f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.replay_hint}"
         )
 
     def _t(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.impl.device)
+
+    def _about_to_change(self, impl_slots: list[int]) -> None:
+        """Called before an operation rewrites the mapping of ``impl_slots`` (a subclass may look first)."""
+
+    def _last_loc_tensor(self, values: list[int]) -> torch.Tensor:
+        """The ``last_loc`` argument (a subclass may place it at a chosen address)."""
+        return self._t(values)
 
     @staticmethod
     def _cpu(values: list[int]) -> torch.Tensor:
@@ -154,7 +197,8 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
              *, expect_misuse: bool = False) -> tuple[Any, Any] | None:
         """Run ``op`` on both sides; same outcome class or a divergence. ``None`` if both failed."""
         self.stats.rules[op] += 1
-        self.log.append(f"{op}({args})")
+        self.trace.op(f"{op}({args})")
+        self.last_op = op
         try:
             ref_result = ref_call()
         except (OutOfMemory, InvalidOperation) as err:
@@ -170,7 +214,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
             self._fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded")
         except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
             self._fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded")
-        self.log[-1] += " -> ok"
+        self.trace.outcome(" -> ok")
         self.stats.outcomes["ok"] += 1
         return ref_result, impl_result
 
@@ -178,7 +222,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         """The reference failed: the implementation must fail the same way and change nothing."""
         kind = type(ref_err)
         before = self.impl.snapshot()
-        self.log[-1] += f" -> {kind.__name__}"
+        self.trace.outcome(f" -> {kind.__name__}")
         self.stats.outcomes[kind.__name__] += 1
         try:
             impl_call()
@@ -217,6 +261,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
     @rule(pages=st.integers(0, 4))
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
+        self._about_to_change([g * self.p for g in self.impl.snapshot().full.free_pages[:pages]])
         out = self._run("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
                         lambda: self.impl.alloc(n))
         if out:
@@ -247,6 +292,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
             st.sampled_from(valid), label="swa_tail_len")
         rid = req.rid if req else self._new_rid()
+        self._about_to_change([g * self.p + o for g in self.impl.snapshot().full.free_pages[:2] for o in range(self.p)])
         last = req.slots[-1] if req else -1
         impl_last = self.names.impl_slot(last) if req else -1
         ext = seq - prefix
@@ -254,7 +300,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
             "alloc_extend_swa_tail", f"prefix={prefix}, seq={seq}, swa_tail_len={tail}, request={rid}",
             lambda: ref.alloc_extend_swa_tail(self.ref, [prefix], [seq], [last], ext, tail, owners=[rid]),
             lambda: self.impl.alloc_extend_swa_tail(self._t([prefix]), self._cpu([prefix]), self._t([seq]),
-                                                    self._cpu([seq]), self._t([impl_last]), ext, tail))
+                                                    self._cpu([seq]), self._last_loc_tensor([impl_last]), ext, tail))
         if out:
             self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
 
@@ -283,11 +329,12 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         args = ", ".join(f"request {r}: {p}->{s}" for r, p, s in batch)
         if op == "alloc_decode":
             out = self._run(op, args, lambda: ref.alloc_decode(self.ref, seq, last, owners=rids),
-                            lambda: self.impl.alloc_decode(self._t(seq), self._cpu(seq), self._t(impl_last)))
+                            lambda: self.impl.alloc_decode(self._t(seq), self._cpu(seq),
+                                                           self._last_loc_tensor(impl_last)))
         else:
             out = self._run(op, args, lambda: ref.alloc_extend(self.ref, pre, seq, last, ext, owners=rids),
                             lambda: self.impl.alloc_extend(self._t(pre), self._cpu(pre), self._t(seq), self._cpu(seq),
-                                                           self._t(impl_last), ext))
+                                                           self._last_loc_tensor(impl_last), ext))
         if out:
             self._adopt(op, out, [(r, self.reqs[r].slots if r in self.reqs else [], s - p) for r, p, s in batch])
 
@@ -342,6 +389,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
 
     def _release(self, op: str, req: Req, ref_slots: list[int], where: str = "all positions") -> None:
         impl_slots = self._impl_slots(ref_slots)
+        self._about_to_change(impl_slots)
         call = {"free": (ref.free, self.impl.free), "free_swa": (ref.free_swa, self.impl.free_swa),
                 "free_full": (ref.free_full, self.impl.free_full)}[op]
         out = self._run(op, f"request {req.rid}, {where}", lambda: (call[0](self.ref, ref_slots), None),
@@ -352,6 +400,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
     @rule()
     def clear(self) -> None:
+        self._about_to_change([self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots[-1:]])
         out = self._run("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
         if out:
             self.ref = out[0][0]
@@ -359,11 +408,51 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
             self.pending = None
             self.names.reset()
 
+    @precondition(lambda self: self._has(C.SET_FULL_TO_SWA_MAPPING) and self.pending is None and self._swappable())
+    @rule(data=st.data())
+    def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
+        """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
+        req, pages = data.draw(st.sampled_from(self._swappable()), label="request")
+        a, b = data.draw(st.sampled_from([(x, y) for x in pages for y in pages if x < y]), label="pages")
+        ref_full, ref_swa = self._swap(req, a, b, self.ref.full_to_swa_index_mapping, lambda s: s)
+        impl_m = self.impl.snapshot().full_to_swa_index_mapping
+        impl_full, impl_swa = self._swap(req, a, b, impl_m, self.names.impl_slot)
+        self._about_to_change(impl_full)
+        out = self._run("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
+                        lambda: (ref.set_full_to_swa_mapping(self.ref, ref_full, ref_swa), None),
+                        lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
+        if out:
+            self.ref = out[0][0]
+
+    def _swappable(self) -> list[tuple[Req, list[int]]]:
+        """Requests with two or more full pages whose live slots all have an SWA slot."""
+        m, p, out = self.ref.full_to_swa_index_mapping, self.p, []
+        for _, req in sorted(self.reqs.items()):
+            pages = sorted({s // p for s in req.slots})
+            mapped = [g for g in pages if all(m[s] > 0 for s in req.slots if s // p == g)]
+            if len(mapped) >= 2:
+                out.append((req, mapped))
+        return out
+
+    def _swap(self, req: Req, a: int, b: int, mapping: tuple[int, ...], to_side: Callable[[int], int]
+              ) -> tuple[list[int], list[int]]:
+        """Full slots of pages a and b (on one side) and their SWA slots with the two SWA pages exchanged."""
+        p = self.p
+        group = {g: [s for s in req.slots if s // p == g] for g in (a, b)}
+        swa_page = {g: mapping[to_side(group[g][0])] // p for g in (a, b)}
+        full, swa = [], []
+        for g, other in ((a, b), (b, a)):
+            for s in group[g]:
+                full.append(to_side(s))
+                swa.append(swa_page[other] * p + s % p)
+        return full, swa
+
     # ------------------------------------------------------------ drafts (speculative decoding)
 
-    @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None)
+    @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None and self.reqs)
     @rule()
     def backup_state(self) -> None:
+        """Speculative decoding drafts for running requests: nothing to draft for without one."""
         out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
         if out:
             self.pending = Pending(out[0][0], out[1], {rid: list(r.slots) for rid, r in self.reqs.items()})
@@ -478,6 +567,7 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
     def agrees_with_reference(self) -> None:
         """Reference invariants hold; the implementation's state equals it under the renaming; KV rows agree."""
         self.stats.steps += 1
+        self._after_step()
         check_invariants(self.ref)
         try:
             snap = self.impl.snapshot()
@@ -493,6 +583,10 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
                 self._compare_kv()
         except Divergence as err:
             self._fail(str(err))
+        self.trace.next_step()
+
+    def _after_step(self) -> None:
+        """Hook run after every step, before the comparison (a subclass may probe)."""
 
     def _compare_kv(self) -> None:
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
@@ -627,6 +721,30 @@ def _set_kv_bad_layer(self: SWAAllocatorMachine, data: st.DataObject) -> None:
                                                                rows, rows))
 
 
+def _remap_foreign(self: SWAAllocatorMachine, data: st.DataObject) -> None:
+    m = self.ref.full_to_swa_index_mapping
+    mine, theirs = data.draw(st.sampled_from(_two_mapped(self)), label="requests")
+    f, s = mine.slots[-1], theirs.slots[-1]
+    impl_m = self.impl.snapshot().full_to_swa_index_mapping
+    self._misuse("set_full_to_swa_mapping", f"request {mine.rid}'s slot to request {theirs.rid}'s SWA slot",
+                 lambda: (ref.set_full_to_swa_mapping(self.ref, [f], [m[s]]), None),
+                 lambda: self.impl.set_full_to_swa_mapping(self._t([self.names.impl_slot(f)]),
+                                                           self._t([impl_m[self.names.impl_slot(s)]])))
+
+
+def _two_mapped(self: SWAAllocatorMachine) -> list[tuple[Req, Req]]:
+    m = self.ref.full_to_swa_index_mapping
+    mapped = [r for _, r in sorted(self.reqs.items()) if m[r.slots[-1]] > 0]
+    return [(a, b) for a in mapped for b in mapped if a.rid != b.rid]
+
+
+def _remap_lengths(self: SWAAllocatorMachine, data: st.DataObject) -> None:
+    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+    self._misuse("set_full_to_swa_mapping", f"request {req.rid}: one full slot, two SWA slots",
+                 lambda: (ref.set_full_to_swa_mapping(self.ref, req.slots[:1], [0, 0]), None),
+                 lambda: self.impl.set_full_to_swa_mapping(self._t(self._impl_slots(req.slots[:1])), self._t([0, 0])))
+
+
 _Case = tuple[Callable[[SWAAllocatorMachine], bool], Callable[[SWAAllocatorMachine, st.DataObject], None]]
 #: Misuse cases ``"op:case"`` -> (applicable?, run). Each must be rejected by the reference and the implementation.
 MISUSE_CASES: dict[str, _Case] = {
@@ -646,6 +764,9 @@ MISUSE_CASES: dict[str, _Case] = {
     "restore_state:after_release": (lambda m: m._has(C.BACKUP_RESTORE) and m.pending is None and bool(m.reqs),
                                     _restore_after_release),
     "set_kv_buffer:bad_layer": (lambda m: m._has(C.KV_BUFFER) and bool(m.reqs), _set_kv_bad_layer),
+    "set_full_to_swa_mapping:foreign_swa_slot": (lambda m: m._has(C.SET_FULL_TO_SWA_MAPPING) and bool(_two_mapped(m)),
+                                                 _remap_foreign),
+    "set_full_to_swa_mapping:lengths": (lambda m: m._has(C.SET_FULL_TO_SWA_MAPPING) and bool(m.reqs), _remap_lengths),
 }
 
 

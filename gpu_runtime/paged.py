@@ -159,15 +159,25 @@ class PagedTokenToKVPoolAllocator:
 
     def alloc_planned(self, plan: Plan, last_loc: Tensor) -> Tensor:
         """Take ``plan.num_new_pages`` pages and hand out the plan's slots (continuing ``last_loc``)."""
-        out = plan.slots(self.take_pages(plan.num_new_pages), last_loc)
+        return self.alloc_planned_pages(plan, last_loc)[0]
+
+    def alloc_planned_pages(self, plan: Plan, last_loc: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`alloc_planned`, also returning the pages it took: ``(slots, pages)``."""
+        pages = self.take_pages(plan.num_new_pages)
+        out = plan.slots(pages, last_loc)
         self.mark_live(out)
-        return out
+        return out, pages
 
     def alloc(self, need_size: int) -> Tensor:
         """Bulk, page-aligned allocation: whole pages from the front, slots in page order."""
-        out = self.page_slots(self.take_pages(need_size // self.page_size))
+        return self.alloc_pages(need_size)[0]
+
+    def alloc_pages(self, need_size: int) -> tuple[Tensor, Tensor]:
+        """:meth:`alloc`, also returning the pages it took: ``(slots, pages)``."""
+        pages = self.take_pages(need_size // self.page_size)
+        out = self.page_slots(pages)
         self.mark_live(out)
-        return out
+        return out, pages
 
     def alloc_extend(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
                      last_loc: Tensor, extend_num_tokens: int, num_new_pages: int | None = None) -> Tensor:

@@ -19,7 +19,22 @@ Method names and tensor signatures are SGLang 0.5.23's; the observable behaviour
   (left by ``restore_state``, R3) is never released into another owner's SWA page;
 * ``backup_state`` / ``restore_state`` roll back free lists and ``fill``, never M (R3),
   and refuse a restore after any release (an ``epoch`` counts releases), because the
-  restore would resurrect released pages as allocated.
+  restore would resurrect released pages as allocated;
+* ``set_full_to_swa_mapping`` keeps the live mapping well formed (M2 with ghost page
+  owners, M5, G3: :mod:`._mapping`), as the reference's.
+
+Loc cache (PR #25824 / #26152, §3.3): the pool memoises ``M[x]``; every mutator of M
+drops that cache at its START, before any check that can fail, through one call site
+per point (:meth:`_invalidate_at`, consulting :attr:`invalidate_at`): ``alloc``,
+``alloc_extend``, ``alloc_extend_swa_tail``, ``alloc_decode``, ``free_swa`` (and
+``free``), ``set_full_to_swa_mapping`` (after its empty / length checks), ``clear``.
+``free_full``, ``backup_state`` and ``restore_state`` never write M and have none.
+``alloc_extend`` / ``alloc_decode`` continue the SWA side from the cached translation
+of ``last_loc`` (C4: it is taken after the invalidation and before M is written, and
+the new entries never overlap ``last_loc``). ``register_mapping`` installs a fresh M,
+which the pool's ``register_mapping`` follows with its own invalidation. The engine
+hooks ``forward`` / ``capture`` / ``replay`` (:mod:`.model_runner`) carry the points
+``forward`` and ``run_once``.
 
 Throughput: allocation and release are a fixed number of tensor ops per call (no
 per-token or per-request Python loop); errors cost a few reductions.
@@ -27,22 +42,28 @@ per-token or per-request Python loop); errors cost a few reductions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvproof.conformance.protocol import Capability
-from kvproof.gpu_runtime._geometry import Plan, count_new_pages, decode_plan, extend_plan
+from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
+from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
 from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation, require
+from kvproof.gpu_runtime.model_runner import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = ["SWATokenToKVPoolAllocator", "SWAAllocatorBackup"]
 
 Tensor = torch.Tensor
+P = InvalidationPoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +83,13 @@ class SWATokenToKVPoolAllocator:
     pool_class: type[PagedTokenToKVPoolAllocator] = PagedTokenToKVPoolAllocator
     kv_pool_class: type[SWAKVPool] = SWAKVPool
     capabilities: frozenset[Capability] = frozenset(Capability)
+    #: the loc-cache invalidation points this allocator, its runners and its pool honour
+    #: (all: upstream after #26152); a mutant drops one
+    invalidate_at: ClassVar[frozenset[InvalidationPoint]] = UPSTREAM_POINTS
+    #: graph recording: ``None`` = a real CUDA graph on CUDA, the emulation elsewhere; ``True`` = always emulate
+    emulate_graphs: ClassVar[bool | None] = None
+    model_runner_class: ClassVar[type[ModelRunner]] = ModelRunner
+    graph_runner_class: ClassVar[type[GraphRunner]] = GraphRunner
 
     def __init__(self, config: PoolConfig, device: torch.device | str | None = None) -> None:
         self.config, self.page_size = config, config.page_size
@@ -69,14 +97,29 @@ class SWATokenToKVPoolAllocator:
         self._size_full, self._size_swa = config.size_full, config.size_swa
         self.full_attn_allocator = self.pool_class(config.size_full, self.page_size, self.device, "full")
         self.swa_attn_allocator = self.pool_class(config.size_swa, self.page_size, self.device, "swa")
-        # trailing -1: a last_loc of -1 (no prefix) translates to -1 on the SWA side
-        self.full_to_swa_index_mapping = torch.zeros(config.mapping_len, dtype=torch.int64, device=self.device)
-        self.full_to_swa_index_mapping[-1] = -1
+        self.full_to_swa_index_mapping = self._fresh_mapping()
         self._epoch = 0  # bumped by every release; restore_state needs it unchanged
+        self._owners = Owners(config.num_pages_full, config.num_pages_swa, self.device)  # ghost, for M2
+        # the pool exists before clear(), because clear invalidates its cache
         self._kvcache = self.kv_pool_class(config, self.device)
+        if P.REGISTER_MAPPING not in self.invalidate_at:  # that point is the pool's own (SWAKVPool.register_mapping)
+            self._kvcache.register_invalidates = False
         self._kvcache.register_mapping(self.full_to_swa_index_mapping)
         self._kvcache.register_slot_check(self.full_attn_allocator.check_live)
+        self._model_runner = self.model_runner_class(self._kvcache, self._invalidate_at)
+        self._graph_runner = self.graph_runner_class(self._kvcache, self._invalidate_at, emulate=self.emulate_graphs)
         self.clear()
+
+    def _fresh_mapping(self) -> Tensor:
+        """All 0 but the trailing -1: a last_loc of -1 (no prefix) translates to -1 on the SWA side."""
+        mapping = torch.zeros(self.config.mapping_len, dtype=torch.int64, device=self.device)
+        mapping[-1] = -1
+        return mapping
+
+    def _invalidate_at(self, point: InvalidationPoint) -> None:
+        """The one call site of each invalidation point: drop the pool's loc cache if ``point`` is on."""
+        if point in self.invalidate_at:
+            self._kvcache.invalidate_loc_cache()
 
     # ------------------------------------------------------------ queries
 
@@ -106,9 +149,11 @@ class SWATokenToKVPoolAllocator:
         return self._kvcache
 
     def translate_loc_from_full_to_swa(self, kv_indices: Tensor) -> Tensor:
-        """``M[kv_indices]`` (any shape); -1 translates to -1 through the sentinel (§1.5)."""
+        """``M[kv_indices]`` (any shape) through the pool's loc cache; -1 translates to -1 (sentinel, §1.5)."""
         op, n = "translate_loc_from_full_to_swa", self.full_to_swa_index_mapping.numel() - 1
-        idx = torch.as_tensor(kv_indices, dtype=torch.int64, device=self.device)
+        idx = kv_indices  # the caller's tensor itself when it can index M: its address is the cache key
+        if not (isinstance(idx, Tensor) and idx.device == self.device and idx.dtype in (torch.int64, torch.int32)):
+            idx = torch.as_tensor(kv_indices, dtype=torch.int64, device=self.device)
         # -1 (no prefix) or a full slot id
         require(bool(((idx >= -1) & (idx < n)).all()), op, "loc", f"entries outside [-1, {n})")
         return self._kvcache.translate_loc_from_full_to_swa(idx)
@@ -128,27 +173,32 @@ class SWATokenToKVPoolAllocator:
 
     def alloc(self, need_size: int) -> Tensor:
         """``need_size`` tokens in whole pages, 1:1 in both pools (kvproof allows any P, page aligned)."""
+        self._invalidate_at(P.ALLOC)
         op, p, need_size = "alloc", self.page_size, int(need_size)
         require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
         # the paged bulk alloc takes whole pages
         require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p}")
         self._check_capacity(op, need_size // p, need_size // p)
-        full = self.full_attn_allocator.alloc(need_size)
-        self._map(full, self.swa_attn_allocator.alloc(need_size))
+        full, fpages = self.full_attn_allocator.alloc_pages(need_size)
+        swa, spages = self.swa_attn_allocator.alloc_pages(need_size)
+        self._owners.claim_pages(fpages, spages, self._owners.fresh())
+        self._map(full, swa)
         return full
 
     def alloc_extend(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
                      last_loc: Tensor, extend_num_tokens: int) -> Tensor:
         """Extend a batch from ``prefix_lens`` to ``seq_lens`` tokens, 1:1 in both pools (§1.3, §1.5)."""
+        self._invalidate_at(P.ALLOC_EXTEND)
         op, extend_num_tokens = "alloc_extend", int(extend_num_tokens)
         args = self._extend_args(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
         check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens)
         check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args)
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), self.page_size)
-        return self._alloc_one_to_one(op, plan, args[4])
+        return self._alloc_one_to_one(op, plan, args)
 
     def alloc_decode(self, seq_lens: Tensor, seq_lens_cpu: Tensor, last_loc: Tensor) -> Tensor:
         """One token per request at position ``s - 1``; atomic (unlike upstream, §2.11 R7)."""
+        self._invalidate_at(P.ALLOC_DECODE)
         op = "alloc_decode"
         seq, seq_cpu = as_index(seq_lens, self.device), as_index(seq_lens_cpu, torch.device("cpu"))
         # the decoded token is at position s - 1
@@ -156,12 +206,13 @@ class SWATokenToKVPoolAllocator:
         args = (seq - 1, seq_cpu - 1, seq, seq_cpu, as_index(last_loc, self.device))
         check_extend_args(self.full_attn_allocator, op, args, seq_cpu.numel())
         check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args)
-        return self._alloc_one_to_one(op, decode_plan(seq, seq_cpu, self.page_size), args[4])
+        return self._alloc_one_to_one(op, decode_plan(seq, seq_cpu, self.page_size), args)
 
     def alloc_extend_swa_tail(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor,
                               seq_lens_cpu: Tensor, last_loc: Tensor, extend_num_tokens: int,
                               swa_tail_len: int) -> Tensor:
         """Full slots for the whole extend, SWA slots for the last ``swa_tail_len`` only (§2.7, post-#25805)."""
+        self._invalidate_at(P.ALLOC_EXTEND_SWA_TAIL)
         op, p = "alloc_extend_swa_tail", self.page_size
         extend_num_tokens, swa_tail_len = int(extend_num_tokens), int(swa_tail_len)
         args = self._extend_args(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
@@ -176,39 +227,56 @@ class SWATokenToKVPoolAllocator:
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), p)
         swa_pages = -(-swa_tail_len // p)
         self._check_capacity(op, plan.num_new_pages, swa_pages)
-        full = self.full_attn_allocator.alloc_planned(plan, args[4])
-        swa = self.swa_attn_allocator.page_slots(self.swa_attn_allocator.take_pages(swa_pages))[:swa_tail_len]
+        owner = self._owners.of_requests(args[0], args[1], args[4], p)
+        full, fpages = self.full_attn_allocator.alloc_planned_pages(plan, args[4])
+        spages = self.swa_attn_allocator.take_pages(swa_pages)
+        swa = self.swa_attn_allocator.page_slots(spages)[:swa_tail_len]
         self.swa_attn_allocator.mark_live(swa)
+        self._owners.claim_pages(fpages, spages, owner)
         head, tail = self._split_tail(full, swa_tail_len)
         self._clear_head_mapping(head)
         self._map(tail, swa)
         return full
 
     def set_full_to_swa_mapping(self, full_indices: Tensor, swa_indices: Tensor) -> None:
-        """``M[full_indices] = swa_indices`` (HiCache load-back). Trusts the caller on ownership, as upstream."""
-        op, p = "set_full_to_swa_mapping", self.page_size
+        """``M[full_indices] = swa_indices``: re-attach SWA slots to live full slots (HiCache load-back, §1.5).
+
+        The new live mapping must stay well formed (M2 with owners, M5, no stranded SWA
+        page), as the reference's; an empty call is a no-op and does not invalidate. A
+        backup taken before a remap is stale (``restore_state`` never restores M).
+        """
+        op = "set_full_to_swa_mapping"
         f, s = as_index(full_indices, self.device), as_index(swa_indices, self.device)
         require(f.numel() == s.numel(), op, "swa_indices", f"{s.numel()} SWA slots for {f.numel()} full slots")
-        # never the reserved page, never the sentinel
-        require(bool(((f >= p) & (f < self.full_attn_allocator.end_slot)).all()), op, "full_indices", "not full slots")
-        top = self.swa_attn_allocator.end_slot
-        require(bool(((s == 0) | ((s >= p) & (s < top))).all()), op, "swa_indices", f"not 0 or in [{p}, {top})")
-        self._map(f, s)
+        if f.numel() == 0:
+            return
+        self._invalidate_at(P.SET_FULL_TO_SWA_MAPPING)  # upstream: after the empty / length checks
+        self.full_attn_allocator.check_live(op, "full_indices", f, duplicates_ok=False)
+        # [Differs from the reference: a negative SWA slot breaks M1; the reference's check skips entries <= 0]
+        require(not bool((s < 0).any()), op, "swa_indices", "negative SWA slot (M1)")
+        candidate = self.full_to_swa_index_mapping.clone()
+        candidate.index_copy_(0, f, s)
+        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator, candidate, self._owners)
+        require(broken is None, op, "swa_indices", "the mapping would break [%s] %s" % (broken or ("", "")))
+        self._map(f, s)  # in place: the pool and any captured graph hold this tensor
+        self._epoch += 1  # restore_state never restores M, so it cannot undo a remap: older backups are stale
 
     # ------------------------------------------------------------ release
 
     def free(self, free_index: Tensor) -> None:
         """Release the SWA side, then the full pages touched (0.5.23 order). Not idempotent."""
+        self._invalidate_at(P.FREE_SWA)  # free reaches free_swa's point
         pages = self._check_release("free", free_index)
         self._release_swa(pages)
         self._release_full(pages)
 
     def free_swa(self, free_index: Tensor) -> None:
         """Release the SWA pages of the full pages ``free_index`` touches; zero their M (M3). Window eviction."""
+        self._invalidate_at(P.FREE_SWA)
         self._release_swa(self._check_release("free_swa", free_index))
 
     def free_full(self, free_index: Tensor) -> None:
-        """Release full pages whose SWA side is already released (0.5.23 ``free_full``)."""
+        """Release full pages whose SWA side is already released (0.5.23 ``free_full``). No invalidation: M stays."""
         op = "free_full"
         pages = self._check_release(op, free_index)
         slots, live = self.full_attn_allocator.live_slots_of(pages)
@@ -219,10 +287,25 @@ class SWATokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Both pools back to the initial free lists, M all 0 but the sentinel (in place: the pool holds M)."""
+        self._invalidate_at(P.CLEAR)
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
         self.full_to_swa_index_mapping[:-1] = 0
         self._epoch += 1
+
+    def register_mapping(self) -> None:
+        """A fresh mapping tensor (every page free, M all 0 but the sentinel) registered with the same KV pool.
+
+        What building a new allocator over an existing ``SWAKVPool`` does (#25889): the
+        pool's ``register_mapping`` drops its cache (point ``register_mapping``); this
+        allocator's ``clear`` point is not involved. KV rows stay, unreachable. A graph
+        captured before follows the new tensor (``GraphRunner`` refreshes the old one).
+        """
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.full_to_swa_index_mapping = self._fresh_mapping()
+        self._epoch += 1  # every page was released: older backups are stale
+        self._kvcache.register_mapping(self.full_to_swa_index_mapping)
 
     def backup_state(self) -> SWAAllocatorBackup:
         """Both free lists and fills (0.5.12.post1 semantics: M is NOT captured, R3)."""
@@ -230,7 +313,7 @@ class SWATokenToKVPoolAllocator:
         return SWAAllocatorBackup(full.backup_state(), swa.backup_state(), self._epoch, (full.num_pages, swa.num_pages))
 
     def restore_state(self, state: object) -> None:
-        """Give back every page allocated since ``state``; M keeps its entries (R3, §8 item 1)."""
+        """Give back every page allocated since ``state``; M keeps its entries (R3, §8 item 1): no invalidation."""
         op, full, swa = "restore_state", self.full_attn_allocator, self.swa_attn_allocator
         require(isinstance(state, SWAAllocatorBackup), op, "state", "not a backup_state() result")
         assert isinstance(state, SWAAllocatorBackup)
@@ -251,6 +334,21 @@ class SWATokenToKVPoolAllocator:
     def load_cpu_copy(self, kv_cache_cpu: KVCpuCopy, indices: Tensor) -> None:
         self._kvcache.load_cpu_copy(kv_cache_cpu, indices)
 
+    # ------------------------------------------------------------ engine hooks (loc cache, §3.3)
+
+    def forward(self, out_cache_loc: Tensor, cache_k: Mapping[int, Tensor], cache_v: Mapping[int, Tensor]) -> None:
+        """One forward: invalidate (point ``forward``), then each layer's ``set_kv_buffer`` at ``out_cache_loc``."""
+        self._model_runner.forward(out_cache_loc, cache_k, cache_v)
+
+    def capture(self, static_loc: Tensor, static_k: Mapping[int, Tensor], static_v: Mapping[int, Tensor], *,
+                warmups: int = 2) -> None:
+        """Warm up and capture ``run_once`` on the static buffers (``static_loc`` all padding); replaces a graph."""
+        self._graph_runner.capture(static_loc, static_k, static_v, warmups)
+
+    def replay(self) -> None:
+        """A forward that replays the captured graph on the static buffers' current contents."""
+        self._graph_runner.replay()
+
     # ------------------------------------------------------------ self-check
 
     def check_invariants(self) -> None:
@@ -258,7 +356,10 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.check_invariants()
         self.swa_attn_allocator.check_invariants()
         self._check_mapping_values()
-        self._check_live_mapping()
+        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator,
+                                        self.full_to_swa_index_mapping, self._owners)
+        if broken is not None:
+            raise InvariantViolation(*broken)
 
     # ------------------------------------------------------------ internals (mutants override these)
 
@@ -278,17 +379,36 @@ class SWATokenToKVPoolAllocator:
             if need > pool.num_free_pages():
                 raise OutOfMemory(op, pool.name, need, pool.num_free_pages())
 
-    def _alloc_one_to_one(self, op: str, plan: Plan, last_loc: Tensor) -> Tensor:
+    def _alloc_one_to_one(self, op: str, plan: Plan, args: ExtendArgs) -> Tensor:
         """The shared body of ``alloc_extend`` / ``alloc_decode`` after validation."""
+        last_loc = args[4]
         self._check_capacity(op, plan.num_new_pages, plan.num_new_pages)
-        swa_last_loc = self._swa_last_loc(last_loc)  # read M before this call writes it
-        full = self.full_attn_allocator.alloc_planned(plan, last_loc)
-        self._map(full, self.swa_attn_allocator.alloc_planned(plan, swa_last_loc))
+        swa_last_loc = self._swa_last_loc(last_loc)  # before this call writes M (C4)
+        owners = self._owners.of_requests(args[0], args[1], last_loc, self.page_size)
+        full, fpages = self.full_attn_allocator.alloc_planned_pages(plan, last_loc)
+        swa, spages = self.swa_attn_allocator.alloc_planned_pages(plan, swa_last_loc)
+        self._claim(plan, owners, (full, fpages), (swa, spages))
+        self._map(full, swa)
         return full
 
+    def _claim(self, plan: Plan, owners: int | Tensor, full: tuple[Tensor, Tensor], swa: tuple[Tensor, Tensor]) -> None:
+        """Ghost owners of the pages a 1:1 allocation took (``(slots, pages)`` per pool)."""
+        if not isinstance(owners, Tensor) or owners.numel() == 1:  # one request: its new pages
+            if plan.num_new_pages:
+                self._owners.claim_pages(full[1], swa[1], owners)
+            return
+        # a batch: each slot's page gets its request's label (one slot per request when decoding)
+        per_slot = owners[plan.req] if isinstance(plan, ExtendPlan) else owners
+        self._owners.claim_slots(full[0], swa[0], per_slot, self.page_size)
+
     def _swa_last_loc(self, last_loc: Tensor) -> Tensor:
-        """The SWA side continues from ``M[last_loc]`` (-1 stays -1 through the sentinel)."""
-        return self.full_to_swa_index_mapping[last_loc]
+        """The SWA side continues from ``M[last_loc]`` through the pool's loc cache (C4; -1 stays -1).
+
+        Taken after validation: a gather on an unchecked ``last_loc`` could index out of
+        M (a device assert on CUDA), and the reference's error order must win.
+        Nothing between the invalidation and here writes M, so the result is the same.
+        """
+        return self._kvcache.translate_loc_from_full_to_swa(last_loc)
 
     def _map(self, full: Tensor, swa: Tensor) -> None:
         self.full_to_swa_index_mapping.index_copy_(0, full, swa)
@@ -342,24 +462,6 @@ class SWATokenToKVPoolAllocator:
         body = m[:-1]
         _ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
                 f"entries outside {{0}} or [{p}, {top})")
-
-    def _check_live_mapping(self) -> None:
-        """M2 / M5 over live full slots, and G3 for the SWA pool: no SWA page unreachable."""
-        full, swa, p = self.full_attn_allocator, self.swa_attn_allocator, self.page_size
-        slots = torch.arange(p, full.end_slot, device=self.device)
-        f = slots[full.live_mask(slots)]
-        s = self.full_to_swa_index_mapping[f]
-        f, s = f[s > 0], s[s > 0]
-        # M2: a live slot maps to a live SWA slot, and no two live slots share one
-        _ensure(bool(swa.live_mask(s).all()), "M2", "a live full slot maps to a free or never-handed-out SWA slot")
-        _ensure(torch.unique(s).numel() == s.numel(), "M2", "two live full slots map to one SWA slot")
-        # M5: same offset in page, one SWA page pairs with one full page
-        _ensure(bool((s % p == f % p).all()), "M5", "a full slot and its SWA slot differ in page offset")
-        pairs = torch.unique(torch.stack((s // p, f // p)), dim=1)
-        _ensure(torch.unique(pairs[0]).numel() == pairs.shape[1], "M5", "an SWA page is shared by two full pages")
-        reached = torch.zeros_like(swa.fill, dtype=torch.bool)
-        reached[s // p] = True
-        _ensure(not bool(((swa.fill > 0) & ~reached).any()), "G3", "SWA pages live but mapped from no live full slot")
 
 
 def _ensure(condition: bool, invariant: str, message: str) -> None:

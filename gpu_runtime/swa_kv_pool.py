@@ -20,18 +20,41 @@ CPU copy format (``get_cpu_copy``), all CPU tensors::
 ``swa_mask[j] = M[indices[j]] > 0``; ``swa`` holds the ``m`` mapped positions in order.
 ``load_cpu_copy`` restores a saved SWA row iff its position is mapped now too:
 ``row_mask = new_mask[old_mask]``, destinations ``t[old_mask][row_mask]`` (§2.8).
+
+Loc cache (PR #25824 / #26152, §3.2-§3.4): ``translate_loc_from_full_to_swa(x)``
+memoises ``M[x]`` under ``(x.data_ptr(), x.numel())`` in two fields of this pool
+instance (``_cached_loc_key``, ``_cached_swa_loc``); a hit returns the cached tensor
+object itself. The cache cannot see what ``x`` holds nor ``M``: it stays fresh only
+because its owners call ``invalidate_loc_cache()`` at the invalidation points (the
+allocator's mutators, ``register_mapping``, every forward, every graph ``run_once``;
+``kvproof.reference.loc_cache``). The layer writes of a forward (:meth:`store`, called
+by ``kvproof.gpu_runtime.model_runner``) translate through it, so the first SWA layer
+of a forward misses and the others hit (C2). While a graph capture records
+(:mod:`._recording`), gathers and row writes are handed to the recording instead of
+(emulated) or as well as (CUDA) running.
+
+A ``set_kv_buffer`` called on its own, outside a forward, translates afresh and leaves
+the cache alone. Upstream calls it only inside a forward, after the per-forward
+invalidation; a caller outside one (the ``swa_allocator`` lockstep harness writes rows
+from fresh tensors, which the CUDA caching allocator places at recycled addresses)
+keeps no contract E1, and a cached translation would serve it the previous tensor's
+slots (R2-a).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from typing import ClassVar, Protocol
 
 import torch
 
+from kvproof.gpu_runtime._recording import Launch, Recording
 from kvproof.gpu_runtime.paged import as_index, resolve_device
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.loc_cache import KeyScheme
 
 __all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
 
@@ -54,6 +77,13 @@ def _require(condition: bool, op: str, argument: str, message: str) -> None:
 class SWAKVPool:
     """Per-layer K and V rows of the full and SWA pools, written through the full-to-SWA mapping."""
 
+    #: what the loc cache is keyed by: the view's own address (#25824 as merged); a
+    #: mutant switches to the storage's base address (an intermediate revision, S5)
+    key_scheme: ClassVar[KeyScheme] = KeyScheme.DATA_PTR
+    #: ``register_mapping`` drops the cache (point ``register_mapping``, #25889); an
+    #: allocator whose policy lacks that point turns it off on its pool
+    register_invalidates: bool = True
+
     def __init__(self, config: PoolConfig, device: torch.device | str | None = None) -> None:
         geo, p = config.kv, config.page_size
         self.device = resolve_device(device)
@@ -70,6 +100,10 @@ class SWAKVPool:
         self.swa_kv = self._buffer(len(geo.swa_attention_layer_ids), config.size_swa + p, shape)
         self.full_to_swa_index_mapping: Tensor | None = None
         self._slot_check: SlotCheck = self._in_range
+        # the loc cache lives in this instance: one cache per pool (§3.2)
+        self._cached_loc_key: tuple[int, int] | None = None
+        self._cached_swa_loc: Tensor | None = None
+        self._recording: Recording | None = None  # set while a graph capture records
 
     def _buffer(self, layers: int, rows: int, shape: tuple[int, int, int]) -> Tensor:
         kv, h, d = shape
@@ -78,8 +112,11 @@ class SWAKVPool:
     # ------------------------------------------------------------ wiring
 
     def register_mapping(self, full_to_swa_index_mapping: Tensor) -> None:
-        """Hold the allocator's mapping tensor itself: its writes are visible here."""
+        """Hold the allocator's mapping tensor itself (its writes are visible here), then drop the cache."""
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        if self.register_invalidates:
+            # a translation cached from the old mapping tensor says nothing about the new one
+            self.invalidate_loc_cache()
 
     def register_slot_check(self, check: SlotCheck) -> None:
         """Validate full slots with the allocator's liveness check (it owns ``fill``)."""
@@ -113,32 +150,113 @@ class SWAKVPool:
     def get_value_buffer(self, layer_id: int) -> Tensor:
         return self.get_kv_buffer(layer_id)[1]
 
+    def is_swa_layer(self, layer_id: int) -> bool:
+        return layer_id in self.swa_attention_layer_ids
+
+    # ------------------------------------------------------------ loc cache (§3.2, §3.3)
+
+    def invalidate_loc_cache(self) -> None:
+        """Drop the cached translation; the next one gathers afresh."""
+        self._cached_loc_key = None
+        self._cached_swa_loc = None
+
+    def loc_cache_key(self, x: Tensor) -> tuple[int, int]:
+        """``(address, numel)`` of ``x`` under :attr:`key_scheme` -- never its contents."""
+        ptr = x.data_ptr() if self.key_scheme is KeyScheme.DATA_PTR else x.untyped_storage().data_ptr()
+        return (ptr, x.numel())
+
     def translate_loc_from_full_to_swa(self, kv_indices: Tensor) -> Tensor:
-        """``M[kv_indices]``; -1 yields -1 through the trailing sentinel (§1.5)."""
+        """``M[kv_indices]`` through the cache: a hit returns the cached tensor itself; -1 yields -1 (sentinel).
+
+        Unchecked (the allocator range-checks its callers' indices). Freshness is the
+        invalidation points' business: a key says where ``kv_indices`` lives, not what
+        it holds (C1).
+        """
         assert self.full_to_swa_index_mapping is not None, "no mapping registered"
-        return self.full_to_swa_index_mapping[kv_indices]
+        key, cached = self.loc_cache_key(kv_indices), self._cached_swa_loc
+        if cached is not None and key == self._cached_loc_key:
+            return cached  # a hit launches nothing (under a capture: records nothing, S6)
+        value = self._gather(kv_indices)
+        self._cached_loc_key, self._cached_swa_loc = key, value
+        return value
+
+    def _gather(self, x: Tensor) -> Tensor:
+        mapping = self.full_to_swa_index_mapping
+        assert mapping is not None
+        if self._recording is None:
+            return mapping[x]
+        # a capture records the gather into the output tensor the cache will hold (C3)
+        out = torch.empty(x.shape, dtype=mapping.dtype, device=mapping.device)
+        self._recording.launch(partial(_take, mapping, x, out), gather=True)
+        return out
+
+    @contextmanager
+    def recording(self, recording: Recording) -> Iterator[Recording]:
+        """Hand gathers and row writes to ``recording`` while the block runs (a graph capture)."""
+        self._recording = recording
+        try:
+            yield recording
+        finally:
+            self._recording = None
+
+    def _launch(self, fn: Launch) -> None:
+        if self._recording is None:
+            fn()
+        else:
+            self._recording.launch(fn)
+
+    # ------------------------------------------------------------ writes
 
     def set_kv_buffer(self, layer_id: int, loc: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
-        """Write rows of the tokens at full slots ``loc``; SWA layers write at ``M[loc]``.
+        """Write rows of the tokens at full slots ``loc``; SWA layers write at ``M[loc]`` (fresh: not in a forward).
 
-        A write through an unmapped slot (``M == 0``) lands on padding row 0 (§1.4).
+        ``loc`` holds live slots, or 0 for padding tokens (CUDA-graph padding writes into
+        the reserved slot by design, §1.4); a write through an unmapped slot (``M == 0``)
+        lands on padding row 0 too.
         """
         op = "set_kv_buffer"
-        i, is_swa = self._layer(op, layer_id)
         loc = as_index(loc, self.device)
+        index, is_swa, k, v = self.check_rows(op, layer_id, loc, cache_k, cache_v)
+        self.check_loc(op, loc)
+        self.store(index, is_swa, loc, k, v, cached=False)
+
+    def check_rows(self, op: str, layer_id: int, loc: Tensor, cache_k: Tensor, cache_v: Tensor
+                   ) -> tuple[int, bool, Tensor, Tensor]:
+        """Layer id and row shapes (reference order); returns ``(index in pool, is_swa, K, V)``."""
+        i, is_swa = self._layer(op, layer_id)
         k, v, n, width = torch.as_tensor(cache_k), torch.as_tensor(cache_v), loc.numel(), self.head_num * self.head_dim
         # one K and one V row per slot
         _require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
                  f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
         # each row holds head_num * head_dim values
         _require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
-        self._slot_check(op, "loc", loc, duplicates_ok=False)
         if is_swa:
             _require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
-        dest = self.translate_loc_from_full_to_swa(loc) if is_swa else loc
-        buf, shape = self._pool(is_swa), (n, self.head_num, self.head_dim)
-        buf[i, 0, dest] = k.reshape(shape).to(self.device, self.dtype)
-        buf[i, 1, dest] = v.reshape(shape).to(self.device, self.dtype)
+        return i, is_swa, k, v
+
+    def check_loc(self, op: str, loc: Tensor, argument: str = "loc") -> None:
+        """Every non-padding slot of ``loc`` is live, and none appears twice."""
+        self._slot_check(op, argument, loc[loc != 0], duplicates_ok=False)
+
+    def check_translatable(self, op: str, loc: Tensor) -> None:
+        """Entries are -1 (no prefix) or full slot ids: what a gather through M may index."""
+        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
+        n = self.full_to_swa_index_mapping.numel() - 1
+        _require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
+
+    def store(self, index: int, is_swa: bool, loc: Tensor, k: Tensor, v: Tensor, *, cached: bool = True) -> None:
+        """The unchecked write of one layer of a forward: one launch writes K and V.
+
+        SWA layers write at the translation of ``loc``: through the cache (``cached``), else afresh.
+        """
+        if not is_swa:
+            dest = loc
+        elif cached:
+            dest = self.translate_loc_from_full_to_swa(loc)
+        else:
+            assert self.full_to_swa_index_mapping is not None
+            dest = self.full_to_swa_index_mapping[loc]
+        self._launch(partial(_write_rows, self._pool(is_swa)[index], dest, k, v))
 
     # ------------------------------------------------------------ CPU copies (§2.8)
 
@@ -197,3 +315,18 @@ class SWAKVPool:
             m = int(mask.sum())
             _require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
                      f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
+
+
+def _write_rows(buf: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
+    """``buf[0, dest] = K``, ``buf[1, dest] = V`` for one layer's ``(2, rows, H, D)`` buffer.
+
+    Reads ``k`` / ``v`` when it runs: a recorded write replays from the static tensors' current contents.
+    """
+    shape = (dest.numel(), buf.shape[2], buf.shape[3])
+    buf[0, dest] = k.reshape(shape).to(buf.device, buf.dtype)
+    buf[1, dest] = v.reshape(shape).to(buf.device, buf.dtype)
+
+
+def _take(mapping: Tensor, x: Tensor, out: Tensor) -> None:
+    """``out = M[x]``, -1 -> -1 (``take`` wraps negative indices onto the sentinel); ``x`` may be int32."""
+    torch.take(mapping, x.long(), out=out)

@@ -25,8 +25,9 @@ Index tensors are modelled as *views* of *storages* at byte *addresses*
 (:class:`IndexMemory`), so a view's key, its contents and the reuse of a freed
 storage's address by a new one (the CUDA caching allocator's habit) are explicit.
 
-The environment the design assumes (C1, §3.4), stated as the contract E1. A run
-alternates two phases:
+The environment the design assumes (C1, §3.4), stated as the contract E1, per pool
+(each pool's own forward ends its batch preparation; pool 1 here never runs one, so
+the memory it translates is never rewritten). A run alternates two phases:
 
 * *quiet* (after a forward): index memory is not rewritten; the scheduler may
   translate any view (``translate_loc_from_full_to_swa``, e.g. the PD transfer code)
@@ -56,9 +57,19 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.index_memory import (
+    ELEMENT_BYTES,
+    IndexMemory,
+    IndexView,
+    Storage,
+    data_ptr,
+    storage_ptr,
+    view_contents,
+)
 from kvproof.reference.paged import Owner
 
 __all__ = [
@@ -104,9 +115,6 @@ __all__ = [
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
-#: Index tensors are int64: one element is 8 bytes.
-ELEMENT_BYTES = 8
-
 Rows = Mapping[int, tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]]
 
 
@@ -150,76 +158,10 @@ class LocCachePolicy(BaseModel):
         return self.model_copy(update={"invalidate_at": self.invalidate_at - {point}})
 
 
-# ---------------------------------------------------------------- index memory
-
-
-class Storage(BaseModel):
-    """One allocation of index memory: ``numel`` int64 elements at byte address ``base``."""
-
-    model_config = _FROZEN
-
-    base: int
-    contents: tuple[int, ...]
-    alive: bool = True
-
-
-class IndexView(BaseModel):
-    """A tensor: ``numel`` elements of storage ``storage`` starting at element ``offset``."""
-
-    model_config = _FROZEN
-
-    storage: int
-    offset: int
-    numel: int
-
-
-class IndexMemory(BaseModel):
-    """Every storage ever allocated (freed ones kept, so their ids stay stable)."""
-
-    model_config = _FROZEN
-
-    storages: tuple[Storage, ...] = ()
-
-
-def _mem_require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
-def _new_storage(memory: IndexMemory, base: int, contents: Sequence[int]) -> tuple[IndexMemory, int]:
-    op, n = "new_storage", len(contents)
-    _mem_require(n >= 1, op, "contents", "a storage holds at least one element")
-    _mem_require(base >= 0 and base % ELEMENT_BYTES == 0, op, "base", f"{base} is not an aligned address")
-    end = base + n * ELEMENT_BYTES
-    for sid, s in enumerate(memory.storages):
-        clash = s.alive and base < s.base + len(s.contents) * ELEMENT_BYTES and s.base < end
-        # two live storages never overlap (an allocator may reuse only freed addresses)
-        _mem_require(not clash, op, "base", f"[{base}, {end}) overlaps live storage {sid} at {s.base}")
-    storages = memory.storages + (Storage(base=base, contents=tuple(int(x) for x in contents)),)
-    return memory.model_copy(update={"storages": storages}), len(storages) - 1
-
-
-def _storage(memory: IndexMemory, op: str, sid: int) -> Storage:
-    _mem_require(0 <= sid < len(memory.storages), op, "storage", f"no storage {sid}")
-    storage = memory.storages[sid]
-    _mem_require(storage.alive, op, "storage", f"storage {sid} was freed")
-    return storage
-
-
-def data_ptr(memory: IndexMemory, view: IndexView) -> int:
-    """``x.data_ptr()``: the address of the view's first element."""
-    return memory.storages[view.storage].base + view.offset * ELEMENT_BYTES
-
-
-def view_contents(memory: IndexMemory, view: IndexView) -> tuple[int, ...]:
-    s = memory.storages[view.storage]
-    return s.contents[view.offset:view.offset + view.numel]
-
-
 def cache_key(memory: IndexMemory, view: IndexView, scheme: KeyScheme) -> tuple[int, int]:
     """The cache key of a view under ``scheme``: an address and the element count."""
-    base = memory.storages[view.storage].base
-    return (data_ptr(memory, view) if scheme is KeyScheme.DATA_PTR else base, view.numel)
+    address = data_ptr(memory, view) if scheme is KeyScheme.DATA_PTR else storage_ptr(memory, view)
+    return (address, view.numel)
 
 
 # ---------------------------------------------------------------- the cache and the system
@@ -292,47 +234,37 @@ def _mapping(system: LocCacheSystem, pool: int) -> tuple[int, ...]:
     return system.allocator.full_to_swa_index_mapping if pool == 0 else system.other_mapping
 
 
-# ---------------------------------------------------------------- memory operations
+# ---------------------------------------------------------------- memory operations (system level)
 
 
 def new_storage(system: LocCacheSystem, base: int, contents: Sequence[int]) -> tuple[LocCacheSystem, int]:
     """Allocate index memory at ``base`` (a freed storage's address may be reused)."""
-    memory, sid = _new_storage(system.memory, base, contents)
+    memory, sid = im.new_storage(system.memory, base, contents)
     return system.model_copy(update={"memory": memory}), sid
 
 
 def free_storage(system: LocCacheSystem, storage: int) -> LocCacheSystem:
-    """Free a storage; its address may be handed to a later ``new_storage``."""
-    _storage(system.memory, "free_storage", storage)
-    storages = list(system.memory.storages)
-    storages[storage] = storages[storage].model_copy(update={"alive": False})
-    return system.model_copy(update={"memory": IndexMemory(storages=tuple(storages))})
+    return system.model_copy(update={"memory": im.free_storage(system.memory, storage)})
 
 
 def write_index(system: LocCacheSystem, storage: int, offset: int, values: Sequence[int]) -> LocCacheSystem:
-    """Rewrite elements in place (a scheduler buffer reused for the next batch)."""
-    op = "write_index"
-    s = _storage(system.memory, op, storage)
-    _mem_require(0 <= offset and offset + len(values) <= len(s.contents), op, "offset",
-                 f"[{offset}, {offset + len(values)}) is outside storage {storage} of {len(s.contents)} elements")
-    contents = s.contents[:offset] + tuple(int(v) for v in values) + s.contents[offset + len(values):]
-    storages = list(system.memory.storages)
-    storages[storage] = s.model_copy(update={"contents": contents})
-    return system.model_copy(update={"memory": IndexMemory(storages=tuple(storages))})
+    return system.model_copy(update={"memory": im.write_index(system.memory, storage, offset, values)})
 
 
 def make_view(system: LocCacheSystem, storage: int, offset: int, numel: int) -> IndexView:
-    """``storage[offset:offset + numel]`` as a view (same storage, its own address)."""
-    op = "make_view"
-    s = _storage(system.memory, op, storage)
-    _mem_require(numel >= 1 and 0 <= offset and offset + numel <= len(s.contents), op, "numel",
-                 f"view [{offset}, {offset + numel}) does not fit storage {storage} of {len(s.contents)} elements")
-    return IndexView(storage=storage, offset=offset, numel=numel)
+    return im.make_view(system.memory, storage, offset, numel)
 
 
 def _live_view(system: LocCacheSystem, op: str, view: IndexView) -> tuple[int, ...]:
-    _storage(system.memory, op, view.storage)
+    storages = system.memory.storages
+    _mem_require(0 <= view.storage < len(storages) and storages[view.storage].alive, op, "storage",
+                 f"storage {view.storage} is not allocated")
     return view_contents(system.memory, view)
+
+
+def _mem_require(condition: bool, op: str, argument: str, message: str) -> None:
+    if not condition:
+        raise InvalidOperation(op, argument, message)
 
 
 # ---------------------------------------------------------------- translation
@@ -395,8 +327,17 @@ def forward(system: LocCacheSystem, loc: IndexView, rows: Rows) -> LocCacheSyste
     full layers at ``loc``, SWA layers at the cached translation of ``loc``
     (the first SWA layer misses, the others hit: C2).
     """
+    _check_batch(system, "forward", loc)
     system = _at(system, InvalidationPoint.FORWARD)
     return _write_layers(system, "forward", loc, rows, translated=None)
+
+
+def _check_batch(system: LocCacheSystem, op: str, loc: IndexView) -> None:
+    """out_cache_loc holds distinct live full slots, or 0 for padding tokens."""
+    slots = [f for f in _live_view(system, op, loc) if f != 0]
+    for f in slots:
+        _mem_require(sa.is_live(system.allocator, f), op, "out_cache_loc", f"slot {f} is not a live full slot")
+    _mem_require(len(set(slots)) == len(slots), op, "out_cache_loc", f"a slot appears twice in {slots}")
 
 
 def _write_layers(system: LocCacheSystem, op: str, loc: IndexView, rows: Rows,
@@ -450,6 +391,7 @@ def replay(system: LocCacheSystem, rows: Rows) -> LocCacheSystem:
     _mem_require(system.graph is not None, op, "graph", "nothing was captured")
     assert system.graph is not None
     graph = system.graph
+    _check_batch(system, op, graph.loc)
     system = _at(system, InvalidationPoint.FORWARD)
     value = fresh_translation(system, graph.loc) if graph.recorded_gather else graph.constant
     if any(system.allocator.config.kv.is_swa_layer(layer) for layer in rows):
@@ -480,21 +422,25 @@ def alloc(system: LocCacheSystem, need_size: int, *, owner: Owner | None = None
 def alloc_extend(system: LocCacheSystem, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: IndexView,
                  extend_num_tokens: int, *, owners: Sequence[Owner] | None = None
                  ) -> tuple[LocCacheSystem, tuple[int, ...]]:
-    """Invalidate, translate ``last_loc`` through the cache, then the composite ``alloc_extend``."""
+    """Invalidate, then the composite ``alloc_extend``, whose SWA side continues from ``last_loc``
+    translated through the cache (C4: the refilled entry stays fresh, the new slots are not in ``last_loc``).
+
+    The composite validates first, so a bad call raises the composite's error and changes nothing.
+    """
     op = "alloc_extend"
-    system = _internal_translate(_at(system, InvalidationPoint.ALLOC_EXTEND), op, last_loc)
-    loc = list(view_contents(system.memory, last_loc))
+    system = _at(system, InvalidationPoint.ALLOC_EXTEND)
+    loc = list(_live_view(system, op, last_loc))
     state, slots = sa.alloc_extend(system.allocator, prefix_lens, seq_lens, loc, extend_num_tokens, owners=owners)
-    return _with_allocator(system, state), slots
+    return _with_allocator(_internal_translate(system, op, last_loc), state), slots
 
 
 def alloc_decode(system: LocCacheSystem, seq_lens: Sequence[int], last_loc: IndexView, *,
                  owners: Sequence[Owner] | None = None) -> tuple[LocCacheSystem, tuple[int, ...]]:
     op = "alloc_decode"
-    system = _internal_translate(_at(system, InvalidationPoint.ALLOC_DECODE), op, last_loc)
-    loc = list(view_contents(system.memory, last_loc))
+    system = _at(system, InvalidationPoint.ALLOC_DECODE)
+    loc = list(_live_view(system, op, last_loc))
     state, slots = sa.alloc_decode(system.allocator, seq_lens, loc, owners=owners)
-    return _with_allocator(system, state), slots
+    return _with_allocator(_internal_translate(system, op, last_loc), state), slots
 
 
 def alloc_extend_swa_tail(system: LocCacheSystem, prefix_lens: Sequence[int], seq_lens: Sequence[int],

@@ -97,7 +97,7 @@ class SWAAllocatorState(BaseModel):
     full_to_swa_index_mapping: tuple[int, ...]
     kv: KVStore
     fill: tuple[int, ...]  # ghost: live slots per full page (offsets 0..fill-1)
-    epoch: int = 0  # ghost: bumped by every release of a page (restores and clears too); restore_state needs it unchanged
+    epoch: int = 0  # ghost: bumped by every release (restores, clears) and remap; restore_state needs it unchanged
     next_owner: int = 1  # ghost: label for the next anonymous owner
 
 
@@ -346,7 +346,8 @@ def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int
     """``M[full] = swa``: re-attach SWA slots to live full slots (HiCache load-back, §1.5).
 
     The new live mapping must stay well formed (M2, M5, no stranded SWA page); an
-    empty call is a no-op (upstream returns before anything else).
+    empty call is a no-op (upstream returns before anything else). ``restore_state``
+    cannot undo a remap (it never restores M): a backup taken before one is stale.
     """
     op = "set_full_to_swa_mapping"
     _require(len(full_indices) == len(swa_indices), op, "swa_indices",
@@ -354,12 +355,16 @@ def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int
     if not full_indices:
         return state
     _check_live(state, op, "full_indices", full_indices, duplicates_ok=False)
+    p, top = state.config.page_size, (state.config.num_pages_swa + 1) * state.config.page_size
+    for s in swa_indices:
+        # M1: 0 (no SWA slot) or a real SWA slot
+        _require(s == 0 or p <= s < top, op, "swa_indices", f"{s} is neither 0 nor an SWA slot in [{p}, {top})")
     new = _set_mapping(state, full_indices, swa_indices)
     try:
         check_live_mapping(new)
     except InvariantViolation as err:
         raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
-    return new
+    return new.model_copy(update={"epoch": new.epoch + 1})
 
 
 # ---------------------------------------------------------------- KV rows and CPU copies
@@ -372,8 +377,9 @@ def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
 
     ``swa_loc`` is the caller's translation of ``loc`` (#27617 passes it in); by
     default ``M[loc]``. A cached translation may be stale (``kvproof.reference.loc_cache``):
-    the rows then land wherever it points. An SWA write to slot 0 (an unmapped token)
-    lands on the padding slot and is lost.
+    the rows then land wherever it points. ``loc`` may hold 0 for padding tokens;
+    every write to slot 0 (padding, or an SWA write of an unmapped token) lands on
+    the padding slot and is lost.
     """
     op, geo = "set_kv_buffer", state.config.kv
     _require(0 <= layer_id < geo.num_layers, op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
@@ -381,7 +387,8 @@ def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
              f"{len(cache_k)} K rows and {len(cache_v)} V rows for {len(loc)} slots")
     for row in (*cache_k, *cache_v):
         _require(len(row) == geo.row_width, op, "cache_k", f"row of {len(row)} values, expected {geo.row_width}")
-    _check_live(state, op, "loc", loc, duplicates_ok=False)
+    # live slots, or 0 for padding tokens (CUDA-graph padding writes into the reserved slot by design, §1.4)
+    _check_live(state, op, "loc", [f for f in loc if f != 0], duplicates_ok=False)
     if swa_loc is not None:
         _require(len(swa_loc) == len(loc), op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
     if not geo.is_swa_layer(layer_id):

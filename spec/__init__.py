@@ -1,4 +1,4 @@
-"""``kvproof.spec``: Z3 proof obligations for SGLang's SWA hybrid KV allocator.
+"""``kvproof.spec``: Z3 proof obligations for SGLang's SWA hybrid KV allocator and its loc cache.
 
 Claims about the semantics in ../shared/research/sglang_semantics.md (§1.3 paged
 allocator, §1.5 composite allocator, §2.3/§2.7/§2.8 PD decode tail preallocation,
@@ -11,7 +11,11 @@ allocator, §1.5 composite allocator, §2.3/§2.7/§2.8 PD decode tail prealloca
 * :mod:`.swa_mapping` — the full-to-SWA mapping M under ``free_swa``,
   ``alloc_extend_swa_tail`` and ``alloc_extend`` (§1.5, §2.7, §7 M3-M5);
 * :mod:`.swa_s3` — scenario S3 (R1 + R3, stale mapping -> SWA double free) found by
-  bounded model checking, and the post-#25805 model proved safe by induction (§9).
+  bounded model checking, and the post-#25805 model proved safe by induction (§9);
+* :mod:`.loc_cache` (component ``loc_cache``) — the full->SWA translation cache of
+  PR #25824 / #26152: no stale read under the upstream invalidation points and the
+  environment contract E1 (induction), every point needed, S5, S6, a cache shared by
+  two pools, E1 needed, C4 (§3, §7 C1-C4, §9 S5 S6).
 
 Each family module exports ``OBLIGATIONS``; this package concatenates them in a
 stable order. :func:`run` checks one obligation with a fresh solver.
@@ -22,12 +26,12 @@ from __future__ import annotations
 from collections import Counter
 from fnmatch import fnmatchcase
 
-from kvproof.spec import page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
+from kvproof.spec import loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
 from kvproof.spec._solver import Obligation, Result, run
 
 __all__ = ["Obligation", "Result", "run", "OBLIGATIONS", "FAMILY_MODULES", "obligations"]
 
-FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3)
+FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache)
 
 OBLIGATIONS: tuple[Obligation, ...] = tuple(ob for module in FAMILY_MODULES for ob in module.OBLIGATIONS)
 

@@ -88,22 +88,30 @@ class Result:
         return self.status != "unknown" and self.status == self.obligation.expect
 
 
-def run(obligation: Obligation, *, timeout_ms: int = 20_000) -> Result:
+def run(obligation: Obligation, *, timeout_ms: int = 20_000, seed: int | None = None) -> Result:
     """Check ``obligation`` with a fresh solver bounded by ``timeout_ms``.
 
+    The facts are solved in a fresh Z3 context: Z3's heuristics depend on the history
+    of the context they run in (term ids, hash-consing), so a query that takes
+    milliseconds in a new process can time out after thousands of unrelated terms.
+    Translating into a new context makes every verdict independent of what ran
+    before. ``seed`` sets the solver's random seed (the robustness test varies it).
     The time covers building the facts, solving and rendering.
     """
     start = time.perf_counter()
-    solver = z3.Solver()
+    ctx = z3.Context()
+    solver = z3.Solver(ctx=ctx)
     solver.set(timeout=timeout_ms)
-    solver.add(*obligation.build())
+    if seed is not None:
+        solver.set(random_seed=seed)
+    solver.add(*(fact.translate(ctx) for fact in obligation.build()))
     verdict = solver.check()
     if verdict == z3.unsat:
         status: Status = "proved"
         detail = ""
     elif verdict == z3.sat:
         status = "counterexample"
-        detail = obligation.render(solver.model())
+        detail = obligation.render(solver.model().translate(z3.main_ctx()))
     else:
         status = "unknown"
         detail = f"solver returned unknown: {solver.reason_unknown()}"

@@ -35,6 +35,7 @@ from kvproof.spec.terms import (
     is_multiple_term,
     new_pages_of_parts,
     num_new_pages_term,
+    part2_pages_term,
     zmin,
 )
 
@@ -141,8 +142,10 @@ def explain_parts_sum(x: PartsValues) -> str:
 
 
 def part_shapes(v: ExtendVars, n: Parts) -> z3.BoolRef:
+    """n2 is a multiple of P, witnessed by the part-2 page count (robust for every solver seed)."""
     n1, n2, n3 = n
-    return z3.And(0 <= n1, n1 < v.P, n2 >= 0, is_multiple_term(n2, v.P), 0 <= n3, n3 < v.P)
+    k = part2_pages_term(v.p, v.s, v.P)
+    return z3.And(0 <= n1, n1 < v.P, n2 >= 0, n2 == k * v.P, 0 <= n3, n3 < v.P)
 
 
 def explain_part_shapes(x: PartsValues) -> str:

@@ -77,6 +77,18 @@ def is_multiple_term(x: IntLike, page_size: IntLike) -> z3.BoolRef:
     return floor_p_term(x, page_size) == lift(x)
 
 
+def part2_pages_term(prefix_len: IntLike, seq_len: IntLike, page_size: IntLike) -> z3.ArithRef:
+    """Whole new pages of part 2: ``floor(s/P) - ceil(p/P)``, or 0 when part 1 completes the request.
+
+    Used as the explicit witness of "n2 is a multiple of P" (``n2 == k * P``): Z3 then
+    needs only ring normalisation, where ``floor_P(n2) == n2`` asks it to simplify a
+    quotient of products, which it does only for some random seeds.
+    """
+    p, s, P = lift(prefix_len), lift(seq_len), lift(page_size)
+    n1 = zmin(s, ceil_p_term(p, P)) - p
+    return z3.If(p + n1 == s, 0, s / P - ceil_div_term(p, P))
+
+
 def extend_parts_terms(
     prefix_len: IntLike, seq_len: IntLike, page_size: IntLike
 ) -> tuple[z3.ArithRef, z3.ArithRef, z3.ArithRef]:

@@ -8,6 +8,7 @@ from kvproof.cli.bench import run_bench
 def test_bench_quick_reports_every_measure() -> None:
     console = Console(record=True, width=120)
     numbers = run_bench(console, quick=True)
-    assert set(numbers) == {"pairs_p1", "pairs_p4", "ref_pairs_p4", "steps_per_s", "overhead"}
+    assert set(numbers) == {"pairs_p1", "pairs_p4", "ref_pairs_p4", "steps_per_s", "overhead", "translate_hit_us",
+                            "translate_miss_us"}
     assert all(value > 0 for value in numbers.values())
     assert "harness overhead" in console.export_text()

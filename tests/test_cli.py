@@ -33,13 +33,14 @@ def test_conform_unknown_config_lists_choices() -> None:
 
 def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None:
     result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:StaleTailMapping",
-                 "--config", "P2-W3-F24-S12", "--profile", "ci")
+                 "--config", "P2-W3-F24-S12", "--profile", "ci", "--component", "swa_allocator")
     assert result.exit_code == 1
     assert "operations so far" in result.output
-    assert "replay: kvproof conform --impl kvproof.conformance.mutants.swa_allocator:StaleTailMapping" in result.output
+    assert ("replay: kvproof conform --component swa_allocator --impl "
+            "kvproof.conformance.mutants.swa_allocator:StaleTailMapping") in result.output
 
 
 def test_conform_runtime_one_config() -> None:
     result = run("conform", "--config", "P4-W2-F32-S16", "--profile", "dev")
     assert result.exit_code == 0, result.output
-    assert "pass" in result.output
+    assert "swa_allocator P4-W2-F32-S16: pass" in result.output and "loc_cache P4-W2-F32-S16: pass" in result.output

@@ -31,7 +31,7 @@ def _trace(failure: str) -> list[str]:
 
 def test_s3_stale_mapping_rediscovered_and_shrunk() -> None:
     """S3 (sglang_semantics.md §9, R1 + R3): draft, restore_state, tail allocation over the draft's page."""
-    config = next(c for c in CONFORMANCE_CONFIGS if c.page_size == 2)
+    config = next(c for c in CONFORMANCE_CONFIGS if c.label() == "P4-W6-F48-S24")
     report = run_swa_allocator_check(MUTANTS["stale_tail_mapping"], config, profile="ci",
                                      impl_name="stale_tail_mapping (pre-#25805)", failures_dir=None)
     assert not report.passed

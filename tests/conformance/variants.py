@@ -55,7 +55,8 @@ class RelabelledReference:
     """The reference under a fixed renaming of pages in both pools."""
 
     device = "cpu"
-    capabilities = frozenset(Capability) - {Capability.EXACT_PAGE_ORDER}
+    capabilities = frozenset(Capability) - {Capability.EXACT_PAGE_ORDER, Capability.REGISTER_MAPPING,
+                                            Capability.FORWARD, Capability.GRAPH_CAPTURE}
 
     def __init__(self, config: PoolConfig) -> None:
         self.config, self._inner = config, ReferenceAllocator(config)
@@ -111,6 +112,10 @@ class RelabelledReference:
         out = self._inner.translate_loc_from_full_to_swa(self._into_full(idx))
         return torch.tensor([self._swa.out(int(x)) if x > 0 else int(x) for x in out.tolist()], dtype=torch.int64)
 
+    def set_full_to_swa_mapping(self, full, swa) -> None:  # type: ignore[no-untyped-def]
+        swa_in = torch.tensor([self._swa.into(int(x)) if x > 0 else int(x) for x in swa.tolist()], dtype=torch.int64)
+        self._inner.set_full_to_swa_mapping(self._into_full(full), swa_in)
+
     def get_cpu_copy(self, idx):  # type: ignore[no-untyped-def]
         return self._inner.get_cpu_copy(self._into_full(idx))
 
@@ -138,4 +143,4 @@ class RelabelledReference:
 class RelabelledClaimingExactOrder(RelabelledReference):
     """The same, but it (falsely) declares EXACT_PAGE_ORDER: the harness must reject it."""
 
-    capabilities = frozenset(Capability)
+    capabilities = RelabelledReference.capabilities | {Capability.EXACT_PAGE_ORDER}

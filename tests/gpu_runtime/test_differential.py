@@ -299,8 +299,35 @@ def op_load(w: World) -> None:
            lambda: w.rt.load_cpu_copy(c_rt, t(slots, w.rt.device)))
 
 
+def op_set_mapping(w: World) -> None:
+    """HiCache load-back: swap the SWA pages of two full pages -- of one request (legal) or of two (M2: owners)."""
+    p, m = w.p, R.snapshot(w.s).full_to_swa_index_mapping
+    pages = sorted({(rid, f // p) for rid, slots in w.reqs.items() for f in slots})
+    pages = [(rid, g) for rid, g in pages if all(m[f] > 0 for f in w.reqs[rid] if f // p == g)]
+    if len(pages) < 2 or w.rng.random() < 0.05:
+        full, swa = [], []  # an empty call is a no-op
+    else:
+        (ra, a), (rb, b) = w.rng.sample(pages, 2)
+        if ra != rb and w.rng.random() < 0.5:
+            same = [(r, g) for r, g in pages if r == ra and g != a]
+            (rb, b) = w.rng.choice(same) if same else (rb, b)
+        group = {g: [f for f in w.reqs[r] if f // p == g] for r, g in ((ra, a), (rb, b))}
+        full = group[a] + group[b]
+        swa = [m[group[b][0]] // p * p + f % p for f in group[a]] + [m[group[a][0]] // p * p + f % p for f in group[b]]
+    if full and w.rng.random() < 0.1:
+        swa[w.rng.randrange(len(swa))] = w.rng.randint(-1, w.cfg.size_swa + 2 * p)  # stray SWA slot
+    if w.rng.random() < 0.05:
+        swa.append(0)  # lengths disagree
+    dev = w.rt.device
+    w.both(lambda s: (R.set_full_to_swa_mapping(s, full, swa), None),
+           lambda: w.rt.set_full_to_swa_mapping(t(full, dev), t(swa, dev)))
+
+
 def op_translate(w: World) -> None:
     locs = [w.rng.randint(-2, w.cfg.size_full + w.p) for _ in range(w.rng.randint(0, 4))]
+    # a fresh tensor may sit at a freed one's address (R2-a): outside contract E1 the loc cache
+    # must be dropped first (tests/gpu_runtime/test_loc_cache.py exercises the cache itself)
+    w.rt.get_kvcache().invalidate_loc_cache()
     w.both(lambda s: (s, R.translate_loc_from_full_to_swa(s, locs)),
            lambda: w.rt.translate_loc_from_full_to_swa(t(locs, w.rt.device)))
 
@@ -309,6 +336,7 @@ OPS: list[tuple[Callable[[World], None], int]] = [
     (op_extend, 8), (op_decode, 6), (op_tail, 4), (op_alloc, 2),
     (lambda w: op_free(w, "free"), 5), (lambda w: op_free(w, "free_swa"), 3), (lambda w: op_free(w, "free_full"), 2),
     (op_backup, 2), (op_restore, 2), (op_clear, 1), (op_set_kv, 5), (op_copy, 2), (op_load, 2), (op_translate, 1),
+    (op_set_mapping, 3),
 ]
 
 

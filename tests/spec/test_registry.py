@@ -40,8 +40,9 @@ def test_every_twin_names_an_existing_sound_obligation() -> None:
 def test_fields_are_filled() -> None:
     families = {module.FAMILY for module in spec.FAMILY_MODULES}
     for ob in OBLIGATIONS:
-        assert ob.component == "swa_allocator"
+        assert ob.component in {"swa_allocator", "loc_cache"}
         assert ob.family in families
+        assert (ob.component == "loc_cache") == (ob.family == "loc_cache")
         assert ob.statement and "\n" not in ob.statement
 
 
@@ -63,7 +64,10 @@ def test_family_modules_are_all_registered() -> None:
 
 def test_obligations_filters() -> None:
     assert obligations() == OBLIGATIONS
-    assert obligations(component="swa_allocator") == OBLIGATIONS
+    assert obligations(component="swa_allocator") == tuple(ob for ob in OBLIGATIONS if ob.component == "swa_allocator")
+    loc = obligations(component="loc_cache")
+    assert loc and all(ob.name.startswith("loc_cache.") for ob in loc)
+    assert set(obligations(component="swa_allocator")) | set(loc) == set(OBLIGATIONS)
     assert obligations(component="nope") == ()
     tail = obligations(name_filter="swa_tail.")
     assert tail and all("swa_tail." in ob.name for ob in tail)

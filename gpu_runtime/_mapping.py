@@ -1,0 +1,115 @@
+"""Ghost page owners and the live-mapping check of the SWA composite (sglang_semantics.md §1.5, §7 M2, M5, G3).
+
+SGLang has no page owners. kvproof's reference does (ghost state of
+``kvproof.reference.swa_allocator``), and validates ``set_full_to_swa_mapping`` with
+them (``check_live_mapping``): the new live mapping must keep
+
+* M2 -- a live full slot maps into an *allocated* SWA page of the *same owner*, and no
+  two live full slots share an SWA slot;
+* M5 -- a full slot and its SWA slot have the same in-page offset, and one SWA page
+  pairs with one full page;
+* G3 (SWA side) -- every allocated SWA page is reached from a live full slot.
+
+:class:`Owners` keeps one int64 label per page of each pool, handed out as the
+reference's ``_resolve_owners`` does: a request that continues a page keeps the owner
+of its ``last_loc``'s page, a new one gets a fresh label. Labels are only compared for
+equality, so they need not be the reference's numbers. A page's label is written when
+it is taken and never cleared: only allocated pages' labels are ever read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
+
+__all__ = ["Owners", "live_mapping_violation"]
+
+Tensor = torch.Tensor
+
+
+class Owners:
+    """Ghost owner label of every page of the full and the SWA pool (index ``num_pages + 1``: never allocated).
+
+    Cheap on the hot path: one new request (every prefill chunk that starts a request,
+    every bulk ``alloc``) costs two ``index_fill_`` on the pages taken; a batch labels its
+    slots' pages with one gather and two ``index_put_``.
+    """
+
+    def __init__(self, full_pages: int, swa_pages: int, device: torch.device) -> None:
+        self.full = torch.zeros(full_pages + 2, dtype=torch.int64, device=device)
+        self.swa = torch.zeros(swa_pages + 2, dtype=torch.int64, device=device)
+        self.next_label = 1
+
+    def fresh(self) -> int:
+        """A new label (a new request, a bulk ``alloc``)."""
+        self.next_label += 1
+        return self.next_label - 1
+
+    def of_requests(self, pre: Tensor, pre_cpu: Tensor, last_loc: Tensor, page_size: int) -> int | Tensor:
+        """Per request: the owner of ``last_loc``'s page if it has a prefix, else a fresh label (in request order).
+
+        One request: an ``int`` when it is new (known on the host), else its page's label
+        as a 1-element tensor. A batch: one label per request.
+        """
+        bs = pre_cpu.numel()
+        if bs == 1:
+            return self.fresh() if int(pre_cpu[0]) == 0 else self.full[last_loc // page_size]
+        if bool(pre_cpu.all()):  # host: every request continues (a decode batch)
+            return self.full[last_loc // page_size]
+        if not bool(pre_cpu.any()):  # host: every request is new (a prefill batch)
+            self.next_label += bs
+            return torch.arange(self.next_label - bs, self.next_label, device=self.full.device)
+        new = pre == 0
+        labels = torch.cumsum(new.to(torch.int64), 0) + (self.next_label - 1)
+        self.next_label += int((pre_cpu == 0).sum())
+        return torch.where(new, labels, self.full[last_loc.clamp(min=0) // page_size])
+
+    def claim_pages(self, full_pages: Tensor, swa_pages: Tensor, label: int | Tensor) -> None:
+        """Whole new pages of one owner."""
+        if isinstance(label, int):
+            self.full.index_fill_(0, full_pages, label)
+            self.swa.index_fill_(0, swa_pages, label)
+        else:
+            self.full.index_put_((full_pages,), label)
+            self.swa.index_put_((swa_pages,), label)
+
+    def claim_slots(self, full: Tensor, swa: Tensor, labels: Tensor, page_size: int) -> None:
+        """The pages of the new ``full`` / ``swa`` slots belong to ``labels`` (one per slot; 1:1 allocations)."""
+        if page_size > 1:
+            full, swa = full // page_size, swa // page_size
+        self.full.index_put_((full,), labels)
+        self.swa.index_put_((swa,), labels)
+
+
+def live_mapping_violation(full: PagedTokenToKVPoolAllocator, swa: PagedTokenToKVPoolAllocator, mapping: Tensor,
+                           owners: Owners) -> tuple[str, str] | None:
+    """``(invariant, message)`` of the first rule ``mapping`` breaks over the live full slots, else ``None``.
+
+    The reference's ``check_live_mapping``; entries ``<= 0`` are not checked here (M1 is).
+    """
+    p = full.page_size
+    slots = torch.arange(p, full.end_slot, device=mapping.device)
+    f = slots[full.live_mask(slots)]
+    s = mapping[f]
+    f, s = f[s > 0], s[s > 0]
+    g, h = f // p, (s // p).clamp(max=swa.num_pages + 1)  # past the pool: the never-allocated extra page
+    # M2: a live slot maps into an allocated SWA page of its own owner, and no two live slots share an SWA slot
+    if not bool((swa.fill[h] > 0).all()):
+        return "M2", "a live full slot maps to an SWA slot outside every allocated SWA page"
+    if not bool((owners.swa[h] == owners.full[g]).all()):
+        return "M2", "a live full slot maps into an SWA page of another owner"
+    if torch.unique(s).numel() != s.numel():
+        return "M2", "two live full slots map to one SWA slot"
+    # M5: same offset in page, one SWA page pairs with one full page
+    if not bool((s % p == f % p).all()):
+        return "M5", "a full slot and its SWA slot differ in page offset"
+    pairs = torch.unique(torch.stack((h, g)), dim=1)
+    if torch.unique(pairs[0]).numel() != pairs.shape[1]:
+        return "M5", "an SWA page is shared by two full pages"
+    reached = torch.zeros_like(swa.fill, dtype=torch.bool)
+    reached[h] = True
+    # G3 (SWA side): an allocated SWA page is reachable from a live full slot, else it leaked
+    if bool(((swa.fill > 0) & ~reached).any()):
+        return "G3", "SWA pages allocated but mapped from no live full slot"
+    return None

@@ -1,0 +1,80 @@
+"""loc_cache lockstep suite: kvproof's runtime and the reference pass; every cache mutant dies twice.
+
+Each mutant of ``kvproof.conformance.mutants.loc_cache`` must be killed by the state
+machine under the ``ci`` profile with a shrunk trace of at most 10 steps, and by its
+Z3 twin in ``kvproof.spec.loc_cache`` (a counterexample).
+"""
+
+import re
+
+import pytest
+import torch
+
+from kvproof import spec
+from kvproof.conformance.check import check_loc_cache, run_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.loc_cache import RULE_CAPABILITIES
+from kvproof.conformance.mutants.loc_cache import MUTANTS
+from kvproof.conformance.reference_impl import ReferenceAllocator
+from kvproof.conformance.swa_allocator import RULE_CAPABILITIES as ALLOCATOR_RULES
+from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+
+IDS = [c.label() for c in CONFORMANCE_CONFIGS]
+LOC_RULES = set(RULE_CAPABILITIES) - set(ALLOCATOR_RULES)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device on this machine"))]
+
+#: The Z3 obligation that must refute the same broken design as each runtime mutant.
+Z3_TWIN = {
+    **{f"no_invalidate_{p}": f"loc_cache.no_stale_read.without_{p}" for p in (
+        "alloc", "alloc_extend", "alloc_extend_swa_tail", "alloc_decode", "free_swa", "set_full_to_swa_mapping",
+        "clear", "register_mapping", "forward", "run_once")},
+    "forward_point_eager_only": "loc_cache.forward_point_eager_only",
+    "storage_base_key": "loc_cache.s5_storage_base_key",
+    "cache_shared_across_pools": "loc_cache.cache_shared_across_pools",
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=IDS)
+def test_runtime_passes_loc_cache_suite(config, device: str) -> None:
+    report = check_loc_cache(lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config, profile="ci",
+                             impl_name=f"runtime[{device}]")
+    assert report.not_applicable == ()
+    assert not LOC_RULES & set(report.never_run), f"loc_cache rules never executed: {report.never_run}"
+
+
+@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS[:2], ids=IDS[:2])
+def test_reference_passes_loc_cache_suite(config) -> None:
+    check_loc_cache(ReferenceAllocator, config, profile="ci", impl_name="reference")
+
+
+def test_every_mutant_has_a_z3_twin() -> None:
+    assert set(Z3_TWIN) == set(MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_killed_by_z3_twin(name: str) -> None:
+    (obligation,) = [ob for ob in spec.OBLIGATIONS if ob.name == Z3_TWIN[name]]
+    result = spec.run(obligation)
+    assert result.status == "counterexample", result.detail
+
+
+def _steps(failure: str) -> list[str]:
+    block = failure.split("operations so far:")[1].split("\n\n")[0]
+    return re.findall(r"^\s+\d+\. (\w+)\(", block, flags=re.M)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_killed_by_state_machine_with_short_trace(name: str) -> None:
+    for config in CONFORMANCE_CONFIGS:
+        report = run_check("loc_cache", MUTANTS[name], config, profile="ci", impl_name=f"mutant {name}",
+                           failures_dir=None)
+        if not report.passed:
+            break
+    else:
+        pytest.fail(f"mutant {name} survived the loc_cache suite on every config")
+    failure = report.failure or ""
+    assert "LockstepFailure" in failure and "HarnessError" not in failure, failure
+    steps = _steps(failure)
+    assert 1 <= len(steps) <= 10, f"shrunk trace has {len(steps)} steps:\n{failure}"
