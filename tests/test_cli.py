@@ -33,7 +33,7 @@ def test_conform_unknown_config_lists_choices() -> None:
 
 def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None:
     result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:StaleTailMapping",
-                 "--config", "P2-W3-F24-S12", "--profile", "ci", "--component", "swa_allocator")
+                 "--config", "P4-W6-F48-S24", "--profile", "ci", "--component", "swa_allocator")
     assert result.exit_code == 1
     assert "operations so far" in result.output
     assert ("replay: kvproof conform --component swa_allocator --impl "
