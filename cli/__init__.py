@@ -17,6 +17,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from kvproof.reference import COMPONENTS
+
 __all__ = ["main"]
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy: harmless
@@ -58,8 +60,10 @@ def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_
     sys.exit(1 if bad or not results else 0)
 
 
-COMPONENT = click.option("--component", "components", multiple=True, type=click.Choice(["swa_allocator", "loc_cache"]),
+COMPONENT = click.option("--component", "components", multiple=True, type=click.Choice(COMPONENTS),
                          help="Run only this component's suite; repeatable. Default: all.")
+POLICY = click.option("--policy", default="corrected", show_default=True, type=click.Choice(["corrected", "upstream"]),
+                      help="decode_prealloc: the scheduler's admission policy (upstream crashes: S2).")
 
 
 @main.command()
@@ -68,8 +72,10 @@ COMPONENT = click.option("--component", "components", multiple=True, type=click.
 @PROFILE
 @CONFIG
 @COMPONENT
-def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], components: tuple[str, ...]) -> None:
-    """Run the lockstep conformance suites (swa_allocator, loc_cache)."""
+@POLICY
+def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], components: tuple[str, ...],
+            policy: str) -> None:
+    """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc)."""
     from kvproof.cli.conform import conform as run_conform, conform_table
     from kvproof.cli.impl import DEFAULT_IMPL, load_factory
 
@@ -80,7 +86,7 @@ def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], compo
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--impl") from err
     reports = run_conform(factory, spec, profile, configs, on_report=lambda r: _report_progress(console, r),
-                          components=components or ("swa_allocator", "loc_cache"))
+                          components=components or COMPONENTS, policy=policy)
     console.print(conform_table(reports))
     _print_reports(console, reports)
     sys.exit(0 if all(r.passed for r in reports) else 1)
@@ -99,7 +105,7 @@ def check(profile: str) -> None:
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
     reports = run_conform(load_factory(DEFAULT_IMPL), DEFAULT_IMPL, profile,
-                          on_report=lambda r: _report_progress(console, r), components=("swa_allocator", "loc_cache"))
+                          on_report=lambda r: _report_progress(console, r), components=COMPONENTS)
     console.print(conform_table(reports))
     _print_reports(console, reports)
     verdicts = run_mutants(profile)

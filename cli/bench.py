@@ -109,6 +109,44 @@ def translate_cost_us(numel: int, calls: int) -> tuple[float, float]:
     return timings[0], timings[1]
 
 
+#: (W, P, prompt tokens, full pool tokens, SWA pool tokens); the first row is §2.10's case.
+CAPACITY_SETTINGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 64, 8192, 99_968, 9_984),
+    (128, 64, 2048, 99_968, 9_984),
+    (128, 256, 8192, 99_840, 9_984),
+    (4096, 64, 8192, 99_968, 39_936),
+    (512, 16, 32_768, 399_984, 19_984),
+)
+
+
+def decode_capacity(window: int, page: int, prompt: int, full: int, swa: int, *, tail: bool) -> int:
+    """Requests one admission round preallocates on an empty decode node (R = 512, corrected policy)."""
+    from kvproof.reference import decode_prealloc as dp
+    from kvproof.reference.config import PoolConfig
+
+    pool = PoolConfig(size_full=full, size_swa=swa, page_size=page, sliding_window_size=window)
+    node = dp.initial_node(dp.DecodeConfig(policy=dp.PreallocPolicy.CORRECTED, swa_tail_prealloc=tail,
+                                           write_kv=False))
+    for rid in range(1, full // prompt + 2):
+        node = dp.arrive(node, rid, prompt, 1, 128)
+    result = dp.pop_preallocated(node, ref.initial_state(pool))
+    if result.crash is not None:
+        raise RuntimeError(f"capacity study crashed: {result.crash}")
+    return len(result.rids)
+
+
+def capacity_table() -> Table:
+    table = Table(title="decode_prealloc capacity: requests admitted in one round (R=512, max_new_tokens=128)")
+    for col in ("W", "P", "prompt", "full pool", "SWA pool", "full-length SWA", "tail SWA", "gain"):
+        table.add_column(col, justify="right")
+    for w, p, prompt, full, swa in CAPACITY_SETTINGS:
+        before = decode_capacity(w, p, prompt, full, swa, tail=False)
+        after = decode_capacity(w, p, prompt, full, swa, tail=True)
+        gain = f"{after / before:.1f}x" if before else "inf"
+        table.add_row(*(f"{x:,}" for x in (w, p, prompt, full, swa, before, after)), gain)
+    return table
+
+
 def _sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -141,5 +179,6 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)
+    console.print(capacity_table())
     return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
             "translate_hit_us": hit4k, "translate_miss_us": miss4k}

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from rich.table import Table
 
-from kvproof.conformance.check import SUITES, CheckReport, MutantVerdict, kill_mutants, run_check
+from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS, config_by_label
 from kvproof.reference.config import PoolConfig
 
@@ -15,18 +15,30 @@ __all__ = ["conform", "conform_table", "run_mutants", "mutants_table"]
 
 def conform(factory: Callable, impl_spec: str, profile: str, labels: Sequence[str] = (),
             on_report: Callable[[CheckReport], None] | None = None,
-            components: Sequence[str] = ("swa_allocator",)) -> list[CheckReport]:
+            components: Sequence[str] = ("swa_allocator",), policy: str = "corrected") -> list[CheckReport]:
     configs: Sequence[PoolConfig] = [config_by_label(x) for x in labels] or CONFORMANCE_CONFIGS
     reports = []
     for component in components:
+        options = _options(component, policy)
         for cfg in configs:
             replay = (f"kvproof conform --component {component} --impl {impl_spec} --config {cfg.label()} "
-                      f"--profile {profile}")
-            report = run_check(component, factory, cfg, profile=profile, impl_name=impl_spec, replay=replay)
+                      f"--profile {profile}" + (f" --policy {policy}" if options else ""))
+            report = run_check(component, factory, cfg, profile=profile, impl_name=impl_spec, replay=replay,
+                               **options)
             reports.append(report)
             if on_report:
                 on_report(report)
     return reports
+
+
+def _options(component: str, policy: str) -> dict[str, object]:
+    """Machine options of a component: the decode node's admission policy."""
+    if component != "decode_prealloc":
+        return {}
+    from kvproof.conformance.decode_prealloc import DEFAULT_DECODE_CONFIG
+    from kvproof.reference.decode_prealloc import PreallocPolicy
+
+    return {"decode_config": DEFAULT_DECODE_CONFIG.model_copy(update={"policy": PreallocPolicy(policy)})}
 
 
 def conform_table(reports: list[CheckReport]) -> Table:
@@ -42,12 +54,13 @@ def conform_table(reports: list[CheckReport]) -> Table:
     return table
 
 
-def run_mutants(profile: str, components: Sequence[str] = tuple(SUITES)) -> list[MutantVerdict]:
+def run_mutants(profile: str) -> list[MutantVerdict]:
+    """Every component's runtime mutants against that component's suite."""
     from kvproof.conformance.mutants import MUTANTS
 
     verdicts = []
-    for component in components:
-        verdicts += kill_mutants(MUTANTS[component], CONFORMANCE_CONFIGS, profile=profile, component=component)
+    for component, mutants in MUTANTS.items():
+        verdicts += kill_mutants(mutants, CONFORMANCE_CONFIGS, profile=profile, component=component)
     return verdicts
 
 

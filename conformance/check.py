@@ -22,7 +22,7 @@ from typing import Any
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvproof.conformance import loc_cache, swa_allocator
+from kvproof.conformance import decode_prealloc, loc_cache, swa_allocator
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.protocol import AllocatorFactory, Capability
 from kvproof.conformance.swa_allocator import MISUSE_CASES
@@ -51,6 +51,7 @@ class Suite:
 SUITES: dict[str, Suite] = {
     "swa_allocator": Suite("swa_allocator", swa_allocator.machine_for, swa_allocator.RULE_CAPABILITIES),
     "loc_cache": Suite("loc_cache", loc_cache.machine_for, loc_cache.RULE_CAPABILITIES),
+    "decode_prealloc": Suite("decode_prealloc", decode_prealloc.machine_for, decode_prealloc.RULE_CAPABILITIES),
 }
 
 
@@ -111,12 +112,15 @@ def _save_failure(text: str, component: str, impl_name: str, config: PoolConfig,
 
 def run_check(component: str, factory: AllocatorFactory, config: PoolConfig, *, settings: Settings | None = None,
               profile: str = "ci", impl_name: str = "impl", replay: str = "",
-              failures_dir: Path | None = FAILURES_DIR) -> CheckReport:
-    """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report."""
+              failures_dir: Path | None = FAILURES_DIR, **machine_options: Any) -> CheckReport:
+    """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
+
+    ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).
+    """
     suite = get_suite(component)
     settings = settings or get_profile(profile)
     hint = f"replay: {replay}" if replay else ""
-    machine = suite.machine_for(factory, config, impl_name=impl_name, replay_hint=hint)
+    machine = suite.machine_for(factory, config, impl_name=impl_name, replay_hint=hint, **machine_options)
     caps = frozenset(factory(config).capabilities)
     start, failure, saved = time.perf_counter(), None, None
     try:

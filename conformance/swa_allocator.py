@@ -36,7 +36,7 @@ from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.invariants import check_invariants
 
-__all__ = ["SWAAllocatorMachine", "RULE_CAPABILITIES", "MISUSE_CASES", "machine_for", "HarnessError", "LockstepFailure"]
+__all__ = ["LockstepMachine", "SWAAllocatorMachine", "RULE_CAPABILITIES", "MISUSE_CASES", "machine_for", "HarnessError", "LockstepFailure"]
 
 C = Capability
 #: Capabilities each rule needs; a rule whose needs are not declared is "not applicable".
@@ -146,8 +146,12 @@ def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(1, top))
 
 
-class SWAAllocatorMachine(RuleBasedStateMachine):
-    """Drive the reference and one implementation in lockstep. Subclassed per (factory, config)."""
+class LockstepMachine(RuleBasedStateMachine):
+    """Lockstep plumbing shared by the component machines: the implementation, the reference allocator,
+    the page renaming, the trace, one call on both sides (:meth:`_run`) and the comparison invariant.
+
+    It has no rules of its own; :class:`SWAAllocatorMachine` and the decode-node machine add them.
+    """
 
     factory: ClassVar[AllocatorFactory]
     config: ClassVar[PoolConfig]
@@ -252,57 +256,11 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
     def _has(self, cap: Capability) -> bool:
         return cap in self.caps
 
+    # ------------------------------------------------------------ helpers for allocation and release
+
     def _max_tokens(self) -> int:
         return self.config.size_swa + self.p  # beyond the SWA pool (tails matter), rarely past the full pool
 
-    # ------------------------------------------------------------ allocation rules
-
-    @precondition(lambda self: self._has(C.ALLOC))
-    @rule(pages=st.integers(0, 4))
-    def alloc(self, pages: int) -> None:
-        n, rid = pages * self.p, self._new_rid()
-        self._about_to_change([g * self.p for g in self.impl.snapshot().full.free_pages[:pages]])
-        out = self._run("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
-                        lambda: self.impl.alloc(n))
-        if out:
-            self._adopt("alloc", out, [(rid, [], n)])
-
-    @precondition(lambda self: self._has(C.ALLOC_EXTEND))
-    @rule(data=st.data())
-    def alloc_extend(self, data: st.DataObject) -> None:
-        batch = self._draw_batch(data, lambda req: self._extendable(req), grow=True)
-        self._extend("alloc_extend", batch)
-
-    @precondition(lambda self: self._has(C.ALLOC_DECODE) and any(self._extendable(r) for r in self.reqs.values()))
-    @rule(data=st.data())
-    def alloc_decode(self, data: st.DataObject) -> None:
-        batch = self._draw_batch(data, lambda req: self._extendable(req), grow=False)
-        self._extend("alloc_decode", [(rid, prefix, prefix + 1) for rid, prefix, _ in batch])
-
-    @precondition(lambda self: self._has(C.ALLOC_EXTEND_SWA_TAIL))
-    @rule(data=st.data())
-    def alloc_extend_swa_tail(self, data: st.DataObject) -> None:
-        existing = [r for r in self.reqs.values()]
-        req = data.draw(st.sampled_from(existing), label="request") if existing and data.draw(
-            st.integers(0, 3), label="extend_existing") == 0 else None
-        prefix = len(req.slots) if req else 0
-        seq = ceil_p(prefix, self.p) + data.draw(_sizes(self.p, self.w, self._max_tokens()), label="extend_len")
-        valid = [t for t in range(seq - prefix + 1) if (seq - t) % self.p == 0]
-        natural = swa_tail_len(seq, self.w, self.p)
-        tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
-            st.sampled_from(valid), label="swa_tail_len")
-        rid = req.rid if req else self._new_rid()
-        self._about_to_change([g * self.p + o for g in self.impl.snapshot().full.free_pages[:2] for o in range(self.p)])
-        last = req.slots[-1] if req else -1
-        impl_last = self.names.impl_slot(last) if req else -1
-        ext = seq - prefix
-        out = self._run(
-            "alloc_extend_swa_tail", f"prefix={prefix}, seq={seq}, swa_tail_len={tail}, request={rid}",
-            lambda: ref.alloc_extend_swa_tail(self.ref, [prefix], [seq], [last], ext, tail, owners=[rid]),
-            lambda: self.impl.alloc_extend_swa_tail(self._t([prefix]), self._cpu([prefix]), self._t([seq]),
-                                                    self._cpu([seq]), self._last_loc_tensor([impl_last]), ext, tail))
-        if out:
-            self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
 
     def _draw_batch(self, data: st.DataObject, ok: Callable[[Req], bool], *, grow: bool
                     ) -> list[tuple[int, int, int]]:
@@ -353,35 +311,6 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
                 self.reqs[rid] = Req(rid, old + list(ref_slots[at:at + n]))
             at += n
 
-    # ------------------------------------------------------------ release rules
-
-    @precondition(lambda self: self.reqs and self.pending is None)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-        self._release("free", req, req.slots)
-        self.reqs.pop(req.rid)
-
-    @precondition(lambda self: self.reqs and self.pending is None)
-    @rule(data=st.data())
-    def free_swa(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-        last_page_start = floor_p(len(req.slots) - 1, self.p)
-        if last_page_start == 0 or data.draw(st.integers(0, 5), label="release_all") == 0:
-            lo, hi = 0, len(req.slots)  # whole request, e.g. before free_full
-        elif data.draw(st.booleans(), label="window_rule"):
-            lo, hi = 0, max(1, floor_p(max(0, len(req.slots) - 1 - self.w - self.p), self.p))  # _evict_swa (§1.6)
-        else:
-            hi = data.draw(st.integers(1, last_page_start), label="evict_end")
-            lo = data.draw(st.integers(0, hi - 1), label="evict_start")
-        self._release("free_swa", req, req.slots[lo:hi], f"positions [{lo}, {hi})")
-
-    @precondition(lambda self: self._has(C.FREE_FULL) and self.pending is None and self._swa_released())
-    @rule(data=st.data())
-    def free_full(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(self._swa_released()), label="request")
-        self._release("free_full", req, req.slots)
-        self.reqs.pop(req.rid)
 
     def _swa_released(self) -> list[Req]:
         m = self.ref.full_to_swa_index_mapping
@@ -397,32 +326,6 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
         if out:
             self.ref = out[0][0]
 
-    @precondition(lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
-    @rule()
-    def clear(self) -> None:
-        self._about_to_change([self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots[-1:]])
-        out = self._run("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
-        if out:
-            self.ref = out[0][0]
-            self.reqs.clear()
-            self.pending = None
-            self.names.reset()
-
-    @precondition(lambda self: self._has(C.SET_FULL_TO_SWA_MAPPING) and self.pending is None and self._swappable())
-    @rule(data=st.data())
-    def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
-        """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
-        req, pages = data.draw(st.sampled_from(self._swappable()), label="request")
-        a, b = data.draw(st.sampled_from([(x, y) for x in pages for y in pages if x < y]), label="pages")
-        ref_full, ref_swa = self._swap(req, a, b, self.ref.full_to_swa_index_mapping, lambda s: s)
-        impl_m = self.impl.snapshot().full_to_swa_index_mapping
-        impl_full, impl_swa = self._swap(req, a, b, impl_m, self.names.impl_slot)
-        self._about_to_change(impl_full)
-        out = self._run("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
-                        lambda: (ref.set_full_to_swa_mapping(self.ref, ref_full, ref_swa), None),
-                        lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
-        if out:
-            self.ref = out[0][0]
 
     def _swappable(self) -> list[tuple[Req, list[int]]]:
         """Requests with two or more full pages whose live slots all have an SWA slot."""
@@ -447,51 +350,6 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
                 swa.append(swa_page[other] * p + s % p)
         return full, swa
 
-    # ------------------------------------------------------------ drafts (speculative decoding)
-
-    @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None and self.reqs)
-    @rule()
-    def backup_state(self) -> None:
-        """Speculative decoding drafts for running requests: nothing to draft for without one."""
-        out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
-        if out:
-            self.pending = Pending(out[0][0], out[1], {rid: list(r.slots) for rid, r in self.reqs.items()})
-
-    @precondition(lambda self: self.pending is not None)
-    @rule()
-    def restore_state(self) -> None:
-        pending = self.pending
-        assert pending is not None
-        out = self._run("restore_state", "", lambda: (ref.restore_state(self.ref, pending.ref_backup), None),
-                        lambda: self.impl.restore_state(pending.impl_backup))
-        if out:
-            self.ref = out[0][0]
-            self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
-            self.pending = None
-
-    # ------------------------------------------------------------ KV rows, retraction and resumption
-
-    @precondition(lambda self: self._has(C.KV_BUFFER) and self.reqs)
-    @rule(data=st.data())
-    def set_kv_buffer(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-        layer = data.draw(st.integers(0, self.config.kv.num_layers - 1), label="layer_id")
-        hi = data.draw(st.integers(1, len(req.slots)), label="end")
-        lo = data.draw(st.integers(0, hi - 1), label="start")
-        ref_slots = req.slots[lo:hi]
-        k, v = self._rows(len(ref_slots))
-        impl_slots = self._impl_slots(ref_slots)
-        shape = (len(ref_slots), self.config.kv.head_num, self.config.kv.head_dim)
-        dtype = self.impl.get_kvcache().get_kv_buffer(layer)[0].dtype
-        out = self._run(
-            "set_kv_buffer", f"layer_id={layer}, request {req.rid}, positions [{lo}, {hi})",
-            lambda: (ref.set_kv_buffer(self.ref, layer, ref_slots, k, v), None),
-            lambda: self.impl.get_kvcache().set_kv_buffer(
-                layer, self._t(impl_slots), torch.tensor(k, dtype=dtype, device=self.impl.device).reshape(shape),
-                torch.tensor(v, dtype=dtype, device=self.impl.device).reshape(shape)))
-        if out:
-            self.ref = out[0][0]
-
     def _rows(self, n: int) -> tuple[list[list[float]], list[list[float]]]:
         """Fresh rows of small integers (exact in bfloat16): row values identify the write."""
         width, k, v = self.config.kv.row_width, [], []
@@ -500,63 +358,6 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
             k.append([float((self.tag * 3 + j) % 251 - 125) for j in range(width)])
             v.append([float((self.tag * 5 + j) % 241 - 120) for j in range(width)])
         return k, v
-
-    @precondition(lambda self: self._has(C.CPU_COPY) and self.reqs and self.pending is None)
-    @rule(data=st.data())
-    def get_cpu_copy(self, data: st.DataObject) -> None:
-        """Retract: copy a request's KV to the CPU, then free it (§1.6)."""
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-        impl_slots = self._impl_slots(req.slots)
-        out = self._run("get_cpu_copy", f"request {req.rid}, {len(req.slots)} positions",
-                        lambda: (self.ref, ref.get_cpu_copy(self.ref, req.slots)),
-                        lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
-        if out:
-            self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
-            self._release("free", req, req.slots)
-            self.reqs.pop(req.rid)
-
-    @precondition(lambda self: self._has(C.CPU_COPY) and self.retracted and any(
-        self._has(c) for c in (C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)))
-    @rule(data=st.data())
-    def load_cpu_copy(self, data: st.DataObject) -> None:
-        """Resume: allocate the same positions again (tail or 1:1), then load the CPU copy (§2.8)."""
-        index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
-        saved = self.retracted[index]
-        rid, n = self._new_rid(), saved.length
-        tail_ok = self._has(C.ALLOC_EXTEND_SWA_TAIL)
-        if tail_ok and (not self._has(C.ALLOC_EXTEND) or data.draw(st.booleans(), label="resume_with_tail")):
-            tail = swa_tail_len(n, self.w, self.p)
-            out = self._run("alloc_extend_swa_tail", f"resume {n} positions as request {rid}, swa_tail_len={tail}",
-                            lambda: ref.alloc_extend_swa_tail(self.ref, [0], [n], [-1], n, tail, owners=[rid]),
-                            lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([n]),
-                                                                    self._cpu([n]), self._t([-1]), n, tail))
-            op = "alloc_extend_swa_tail"
-        else:
-            out = self._run("alloc_extend", f"resume {n} positions as request {rid}",
-                            lambda: ref.alloc_extend(self.ref, [0], [n], [-1], n, owners=[rid]),
-                            lambda: self.impl.alloc_extend(self._t([0]), self._cpu([0]), self._t([n]), self._cpu([n]),
-                                                           self._t([-1]), n))
-            op = "alloc_extend"
-        if not out:
-            return
-        self._adopt(op, out, [(rid, [], n)])
-        slots = self.reqs[rid].slots
-        done = self._run("load_cpu_copy", f"request {rid}, {n} positions",
-                         lambda: (ref.load_cpu_copy(self.ref, saved.ref_copy, slots), None),
-                         lambda: self.impl.load_cpu_copy(saved.impl_copy, self._t(self._impl_slots(slots))))
-        if done:
-            self.ref = done[0][0]
-            self.retracted.pop(index)
-
-    # ------------------------------------------------------------ misuse
-
-    @precondition(lambda self: self._has(C.REJECTS_MISUSE))
-    @rule(data=st.data())
-    def misuse(self, data: st.DataObject) -> None:
-        """A call that violates one documented precondition: both sides must raise InvalidOperation."""
-        cases = [name for name, (applies, _) in MISUSE_CASES.items() if applies(self)]
-        name = data.draw(st.sampled_from(cases), label="case")
-        MISUSE_CASES[name][1](self, data)
 
     def _misuse(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any]) -> None:
         self._run(op, args, ref_call, impl_call, expect_misuse=True)
@@ -615,6 +416,208 @@ class SWAAllocatorMachine(RuleBasedStateMachine):
                     kind = "SWA" if is_swa else "full"
                     self._fail(f"KV of layer {layer} ({kind}) for request {rid}: reference slot {a} holds {list(row)}, "
                                f"implementation slot {b} holds {have}")
+
+
+class SWAAllocatorMachine(LockstepMachine):
+    """The ``swa_allocator`` rules: every composite operation, drafts, retraction/resumption, misuse."""
+
+    @precondition(lambda self: self._has(C.ALLOC))
+    @rule(pages=st.integers(0, 4))
+    def alloc(self, pages: int) -> None:
+        n, rid = pages * self.p, self._new_rid()
+        self._about_to_change([g * self.p for g in self.impl.snapshot().full.free_pages[:pages]])
+        out = self._run("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
+                        lambda: self.impl.alloc(n))
+        if out:
+            self._adopt("alloc", out, [(rid, [], n)])
+
+    @precondition(lambda self: self._has(C.ALLOC_EXTEND))
+    @rule(data=st.data())
+    def alloc_extend(self, data: st.DataObject) -> None:
+        batch = self._draw_batch(data, lambda req: self._extendable(req), grow=True)
+        self._extend("alloc_extend", batch)
+
+    @precondition(lambda self: self._has(C.ALLOC_DECODE) and any(self._extendable(r) for r in self.reqs.values()))
+    @rule(data=st.data())
+    def alloc_decode(self, data: st.DataObject) -> None:
+        batch = self._draw_batch(data, lambda req: self._extendable(req), grow=False)
+        self._extend("alloc_decode", [(rid, prefix, prefix + 1) for rid, prefix, _ in batch])
+
+    @precondition(lambda self: self._has(C.ALLOC_EXTEND_SWA_TAIL))
+    @rule(data=st.data())
+    def alloc_extend_swa_tail(self, data: st.DataObject) -> None:
+        existing = [r for r in self.reqs.values()]
+        req = data.draw(st.sampled_from(existing), label="request") if existing and data.draw(
+            st.integers(0, 3), label="extend_existing") == 0 else None
+        prefix = len(req.slots) if req else 0
+        seq = ceil_p(prefix, self.p) + data.draw(_sizes(self.p, self.w, self._max_tokens()), label="extend_len")
+        valid = [t for t in range(seq - prefix + 1) if (seq - t) % self.p == 0]
+        natural = swa_tail_len(seq, self.w, self.p)
+        tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
+            st.sampled_from(valid), label="swa_tail_len")
+        rid = req.rid if req else self._new_rid()
+        self._about_to_change([g * self.p + o for g in self.impl.snapshot().full.free_pages[:2] for o in range(self.p)])
+        last = req.slots[-1] if req else -1
+        impl_last = self.names.impl_slot(last) if req else -1
+        ext = seq - prefix
+        out = self._run(
+            "alloc_extend_swa_tail", f"prefix={prefix}, seq={seq}, swa_tail_len={tail}, request={rid}",
+            lambda: ref.alloc_extend_swa_tail(self.ref, [prefix], [seq], [last], ext, tail, owners=[rid]),
+            lambda: self.impl.alloc_extend_swa_tail(self._t([prefix]), self._cpu([prefix]), self._t([seq]),
+                                                    self._cpu([seq]), self._last_loc_tensor([impl_last]), ext, tail))
+        if out:
+            self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
+
+    @precondition(lambda self: self.reqs and self.pending is None)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        self._release("free", req, req.slots)
+        self.reqs.pop(req.rid)
+
+    @precondition(lambda self: self.reqs and self.pending is None)
+    @rule(data=st.data())
+    def free_swa(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        last_page_start = floor_p(len(req.slots) - 1, self.p)
+        if last_page_start == 0 or data.draw(st.integers(0, 5), label="release_all") == 0:
+            lo, hi = 0, len(req.slots)  # whole request, e.g. before free_full
+        elif data.draw(st.booleans(), label="window_rule"):
+            lo, hi = 0, max(1, floor_p(max(0, len(req.slots) - 1 - self.w - self.p), self.p))  # _evict_swa (§1.6)
+        else:
+            hi = data.draw(st.integers(1, last_page_start), label="evict_end")
+            lo = data.draw(st.integers(0, hi - 1), label="evict_start")
+        self._release("free_swa", req, req.slots[lo:hi], f"positions [{lo}, {hi})")
+
+    @precondition(lambda self: self._has(C.FREE_FULL) and self.pending is None and self._swa_released())
+    @rule(data=st.data())
+    def free_full(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(self._swa_released()), label="request")
+        self._release("free_full", req, req.slots)
+        self.reqs.pop(req.rid)
+
+    @precondition(lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
+    @rule()
+    def clear(self) -> None:
+        self._about_to_change([self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots[-1:]])
+        out = self._run("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
+        if out:
+            self.ref = out[0][0]
+            self.reqs.clear()
+            self.pending = None
+            self.names.reset()
+
+    @precondition(lambda self: self._has(C.SET_FULL_TO_SWA_MAPPING) and self.pending is None and self._swappable())
+    @rule(data=st.data())
+    def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
+        """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
+        req, pages = data.draw(st.sampled_from(self._swappable()), label="request")
+        a, b = data.draw(st.sampled_from([(x, y) for x in pages for y in pages if x < y]), label="pages")
+        ref_full, ref_swa = self._swap(req, a, b, self.ref.full_to_swa_index_mapping, lambda s: s)
+        impl_m = self.impl.snapshot().full_to_swa_index_mapping
+        impl_full, impl_swa = self._swap(req, a, b, impl_m, self.names.impl_slot)
+        self._about_to_change(impl_full)
+        out = self._run("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
+                        lambda: (ref.set_full_to_swa_mapping(self.ref, ref_full, ref_swa), None),
+                        lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
+        if out:
+            self.ref = out[0][0]
+
+    @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None and self.reqs)
+    @rule()
+    def backup_state(self) -> None:
+        """Speculative decoding drafts for running requests: nothing to draft for without one."""
+        out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
+        if out:
+            self.pending = Pending(out[0][0], out[1], {rid: list(r.slots) for rid, r in self.reqs.items()})
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def restore_state(self) -> None:
+        pending = self.pending
+        assert pending is not None
+        out = self._run("restore_state", "", lambda: (ref.restore_state(self.ref, pending.ref_backup), None),
+                        lambda: self.impl.restore_state(pending.impl_backup))
+        if out:
+            self.ref = out[0][0]
+            self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
+            self.pending = None
+
+    @precondition(lambda self: self._has(C.KV_BUFFER) and self.reqs)
+    @rule(data=st.data())
+    def set_kv_buffer(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        layer = data.draw(st.integers(0, self.config.kv.num_layers - 1), label="layer_id")
+        hi = data.draw(st.integers(1, len(req.slots)), label="end")
+        lo = data.draw(st.integers(0, hi - 1), label="start")
+        ref_slots = req.slots[lo:hi]
+        k, v = self._rows(len(ref_slots))
+        impl_slots = self._impl_slots(ref_slots)
+        shape = (len(ref_slots), self.config.kv.head_num, self.config.kv.head_dim)
+        dtype = self.impl.get_kvcache().get_kv_buffer(layer)[0].dtype
+        out = self._run(
+            "set_kv_buffer", f"layer_id={layer}, request {req.rid}, positions [{lo}, {hi})",
+            lambda: (ref.set_kv_buffer(self.ref, layer, ref_slots, k, v), None),
+            lambda: self.impl.get_kvcache().set_kv_buffer(
+                layer, self._t(impl_slots), torch.tensor(k, dtype=dtype, device=self.impl.device).reshape(shape),
+                torch.tensor(v, dtype=dtype, device=self.impl.device).reshape(shape)))
+        if out:
+            self.ref = out[0][0]
+
+    @precondition(lambda self: self._has(C.CPU_COPY) and self.reqs and self.pending is None)
+    @rule(data=st.data())
+    def get_cpu_copy(self, data: st.DataObject) -> None:
+        """Retract: copy a request's KV to the CPU, then free it (§1.6)."""
+        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        impl_slots = self._impl_slots(req.slots)
+        out = self._run("get_cpu_copy", f"request {req.rid}, {len(req.slots)} positions",
+                        lambda: (self.ref, ref.get_cpu_copy(self.ref, req.slots)),
+                        lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
+        if out:
+            self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
+            self._release("free", req, req.slots)
+            self.reqs.pop(req.rid)
+
+    @precondition(lambda self: self._has(C.CPU_COPY) and self.retracted and any(
+        self._has(c) for c in (C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)))
+    @rule(data=st.data())
+    def load_cpu_copy(self, data: st.DataObject) -> None:
+        """Resume: allocate the same positions again (tail or 1:1), then load the CPU copy (§2.8)."""
+        index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
+        saved = self.retracted[index]
+        rid, n = self._new_rid(), saved.length
+        tail_ok = self._has(C.ALLOC_EXTEND_SWA_TAIL)
+        if tail_ok and (not self._has(C.ALLOC_EXTEND) or data.draw(st.booleans(), label="resume_with_tail")):
+            tail = swa_tail_len(n, self.w, self.p)
+            out = self._run("alloc_extend_swa_tail", f"resume {n} positions as request {rid}, swa_tail_len={tail}",
+                            lambda: ref.alloc_extend_swa_tail(self.ref, [0], [n], [-1], n, tail, owners=[rid]),
+                            lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([n]),
+                                                                    self._cpu([n]), self._t([-1]), n, tail))
+            op = "alloc_extend_swa_tail"
+        else:
+            out = self._run("alloc_extend", f"resume {n} positions as request {rid}",
+                            lambda: ref.alloc_extend(self.ref, [0], [n], [-1], n, owners=[rid]),
+                            lambda: self.impl.alloc_extend(self._t([0]), self._cpu([0]), self._t([n]), self._cpu([n]),
+                                                           self._t([-1]), n))
+            op = "alloc_extend"
+        if not out:
+            return
+        self._adopt(op, out, [(rid, [], n)])
+        slots = self.reqs[rid].slots
+        done = self._run("load_cpu_copy", f"request {rid}, {n} positions",
+                         lambda: (ref.load_cpu_copy(self.ref, saved.ref_copy, slots), None),
+                         lambda: self.impl.load_cpu_copy(saved.impl_copy, self._t(self._impl_slots(slots))))
+        if done:
+            self.ref = done[0][0]
+            self.retracted.pop(index)
+
+    @precondition(lambda self: self._has(C.REJECTS_MISUSE))
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """A call that violates one documented precondition: both sides must raise InvalidOperation."""
+        cases = [name for name, (applies, _) in MISUSE_CASES.items() if applies(self)]
+        name = data.draw(st.sampled_from(cases), label="case")
+        MISUSE_CASES[name][1](self, data)
 
 
 def _has_free_page(machine: SWAAllocatorMachine) -> bool:

@@ -12,7 +12,12 @@ from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOf
 from kvproof.reference.invariants import check_invariants
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
+#: The components kvproof models, in the order every layer, CLI and report lists them.
+#: One name each, used as spec component, reference module, conformance suite and test id.
+COMPONENTS: tuple[str, ...] = ("swa_allocator", "loc_cache", "decode_prealloc")
+
 __all__ = [
+    "COMPONENTS",
     "arith",
     "swa_allocator",
     "KVGeometry",

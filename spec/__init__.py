@@ -15,7 +15,11 @@ allocator, §1.5 composite allocator, §2.3/§2.7/§2.8 PD decode tail prealloca
 * :mod:`.loc_cache` (component ``loc_cache``) — the full->SWA translation cache of
   PR #25824 / #26152: no stale read under the upstream invalidation points and the
   environment contract E1 (induction), every point needed, S5, S6, a cache shared by
-  two pools, E1 needed, C4 (§3, §7 C1-C4, §9 S5 S6).
+  two pools, E1 needed, C4 (§3, §7 C1-C4, §9 S5 S6);
+* :mod:`.decode_prealloc` (component ``decode_prealloc``) — the PD decode node's
+  preallocation budgets and gates: D1 (admitted => ``_pre_alloc`` succeeds) proved for
+  the corrected policy, refuted for the upstream one (S2), which of rounding and
+  recomputation it needs, and D3 residency / resume-tail lemmas (§2, §7 D1-D3, §9 S2).
 
 Each family module exports ``OBLIGATIONS``; this package concatenates them in a
 stable order. :func:`run` checks one obligation with a fresh solver.
@@ -26,12 +30,12 @@ from __future__ import annotations
 from collections import Counter
 from fnmatch import fnmatchcase
 
-from kvproof.spec import loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
+from kvproof.spec import decode_prealloc, loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
 from kvproof.spec._solver import Obligation, Result, run
 
 __all__ = ["Obligation", "Result", "run", "OBLIGATIONS", "FAMILY_MODULES", "obligations"]
 
-FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache)
+FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache, decode_prealloc)
 
 OBLIGATIONS: tuple[Obligation, ...] = tuple(ob for module in FAMILY_MODULES for ob in module.OBLIGATIONS)
 

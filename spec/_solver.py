@@ -39,6 +39,7 @@ __all__ = [
     "as_int",
     "as_bool",
     "model_values",
+    "closed_value",
     "fmt_bools",
 ]
 
@@ -116,6 +117,18 @@ def run(obligation: Obligation, *, timeout_ms: int = 20_000, seed: int | None = 
         status = "unknown"
         detail = f"solver returned unknown: {solver.reason_unknown()}"
     return Result(obligation, status, time.perf_counter() - start, detail)
+
+
+def closed_value(term: z3.ExprRef) -> int | bool:
+    """A closed (variable-free) term as a Python value; the drift tests evaluate builders with it."""
+    simple = z3.simplify(term)
+    if z3.is_bool(simple):
+        if not (z3.is_true(simple) or z3.is_false(simple)):
+            raise ValueError(f"{term} does not simplify to a Boolean literal: {simple}")
+        return z3.is_true(simple)
+    if not isinstance(simple, z3.IntNumRef):
+        raise ValueError(f"{term} does not simplify to an integer literal: {simple}")
+    return simple.as_long()
 
 
 def as_int(model: z3.ModelRef, term: z3.ArithRef | int) -> int:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvproof.reference import arith
 from kvproof.spec import swa_mask
+from kvproof.spec._solver import closed_value as value
 from kvproof.spec.terms import (
     ceil_div_term,
     ceil_p_term,
@@ -32,14 +33,6 @@ pages = st.integers(1, 300)
 lengths = st.integers(0, 20_000)
 
 
-def value(term: z3.ExprRef) -> int | bool:
-    """A closed Z3 term as a Python value."""
-    simple = z3.simplify(term)
-    if z3.is_bool(simple):
-        assert z3.is_true(simple) or z3.is_false(simple), simple
-        return z3.is_true(simple)
-    assert isinstance(simple, z3.IntNumRef), simple
-    return simple.as_long()
 
 
 @given(L=st.integers(-5, 20_000), W=st.integers(1, 5_000), P=pages)

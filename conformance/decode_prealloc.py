@@ -1,0 +1,226 @@
+"""Stateful simulation of a PD decode node (component ``decode_prealloc``, sglang_semantics.md §2, §7 D1-D3).
+
+Requests arrive with random prompt lengths, are admitted and preallocated by the
+reference scheduler (``kvproof.reference.decode_prealloc``: budgets, gates, policy),
+decode one token per step (allocating, writing KV, releasing out-of-window SWA
+pages), are retracted to CPU copies and resumed, and finish. Every allocator call
+the reference scheduler makes is replayed on the implementation under test in
+lockstep (same outcome class, results bound under the page renaming), so the same
+machine runs against kvproof's torch runtime, the reference shell or any allocator.
+
+After every step:
+
+* D1 -- no admitted request failed its preallocation (the upstream policy crashes
+  here: S2 and smaller; the corrected policy must never);
+* no leak: every allocated page in either pool belongs to a running request;
+* D3 -- a running request's SWA-resident positions stay within
+  ``[floor_P(L - 1 - W - P), L)`` (tail mode);
+* every running request's KV reads back what was written for it -- through
+  retraction and resumption, every in-window SWA row survives -- in the reference,
+  and the implementation agrees with the reference (the inherited comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from kvproof.conformance.protocol import AllocatorFactory, Capability
+from kvproof.conformance.swa_allocator import LockstepMachine, Req, Stats
+from kvproof.reference import decode_prealloc as dp
+from kvproof.reference import swa_allocator as ref
+from kvproof.reference.config import PoolConfig
+from kvproof.reference.errors import OutOfMemory
+
+__all__ = ["DecodePreallocMachine", "RULE_CAPABILITIES", "machine_for"]
+
+C = Capability
+_ALLOCATING = frozenset({C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL, C.ALLOC, C.ALLOC_DECODE, C.CPU_COPY, C.KV_BUFFER})
+RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
+    "arrive": frozenset(),
+    "pop_preallocated": _ALLOCATING,
+    "decode": _ALLOCATING,
+    "retract": _ALLOCATING,
+    "resume_retracted_reqs": _ALLOCATING,
+}
+
+
+class DecodePreallocMachine(LockstepMachine):
+    """A decode node driven by the reference scheduler; allocations replayed on the implementation."""
+
+    decode_config: ClassVar[dp.DecodeConfig]
+    stats: ClassVar[Stats]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node = dp.initial_node(self.decode_config)
+        self.copies: dict[int, object] = {}  # the implementation's CPU copies of retracted requests
+
+    # ------------------------------------------------------------ rules
+
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        """A request prefilled elsewhere joins the queue (prompt lengths biased to page and window edges)."""
+        p, w, top = self.p, self.w, self.config.size_full
+        edges = sorted({x for x in (w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, p - 1, p, p + 1, 2 * p + 1, 1)
+                        if 1 <= x <= top})
+        origin = data.draw(st.one_of(st.sampled_from(edges), st.integers(1, top)), label="origin_input_len")
+        out = data.draw(st.sampled_from([1, 2]), label="output_len")
+        max_new = data.draw(st.one_of(st.integers(out + 1, 4), st.integers(out + 1, 3 * p + w)),
+                            label="max_new_tokens")
+        rid = self._new_rid()
+        self.node = dp.arrive(self.node, rid, origin, out, max_new)
+        self.stats.rules["arrive"] += 1
+        self.trace.op(f"arrive(request {rid}: prompt {origin}, outputs {out}, max_new_tokens {max_new})")
+
+    @precondition(lambda self: self.node.queue)
+    @rule()
+    def pop_preallocated(self) -> None:
+        """One admission round: budgets, gates, preallocation (D1 must hold)."""
+        self._step("pop_preallocated", dp.pop_preallocated(self.node, self.ref))
+
+    @precondition(lambda self: self.node.running)
+    @rule()
+    def decode(self) -> None:
+        """One decode step of the running batch (stalls, changing nothing, if the pools are short)."""
+        self._step("decode", dp.decode(self.node, self.ref))
+
+    @precondition(lambda self: self.node.running)
+    @rule(data=st.data())
+    def retract(self, data: st.DataObject) -> None:
+        """Retract one running request to a CPU copy (what the scheduler does when decode stalls)."""
+        rid = data.draw(st.sampled_from([r.rid for r in self.node.running]), label="request")
+        self._step("retract", dp.retract(self.node, self.ref, rid))
+
+    @precondition(lambda self: self.node.retracted)
+    @rule()
+    def resume_retracted_reqs(self) -> None:
+        """Re-admit retracted requests and load their KV back (D1 must hold here too)."""
+        self._step("resume_retracted_reqs", dp.resume_retracted_reqs(self.node, self.ref))
+
+    # ------------------------------------------------------------ replay of the scheduler's calls
+
+    def _step(self, op: str, result: dp.StepResult) -> None:
+        self.stats.rules[op] += 1
+        self.trace.op(f"{op}() -> requests {list(result.rids)}" + (" (stalled)" if result.stalled else ""))
+        for call in result.calls:
+            self._replay(call)
+        self.ref, self.node = result.allocator, result.node
+        self.reqs = {r.rid: Req(r.rid, list(r.slots)) for r in self.node.running}
+        if result.crash is not None:
+            c = result.crash
+            self._fail(f"D1 violated in {c.op}: request {c.rid} was admitted with budgets (full, swa) = "
+                       f"{c.budgets} for requirements {c.required}, then its preallocation failed: {c.message} "
+                       f"(upstream: AssertionError 'KV cache is full! Bug in memory estimation')")
+
+    def _replay(self, call: dp.AllocatorCall) -> None:
+        """Run one recorded reference call on the implementation; same outcome; bind what it returns."""
+        impl_call, describe = self._impl_call(call)
+
+        def reference() -> tuple[Any, Any]:
+            if call.outcome != "ok":
+                raise OutOfMemory(call.op, "?", 0, 0)
+            return None, call.result
+
+        out = self._run(call.op, f"request {call.rid}: {describe}", reference, impl_call)
+        if out is None:
+            return
+        if call.op == "get_cpu_copy":
+            self.copies[call.rid] = out[1]
+        elif call.result:
+            self._bind(call, out[1])
+
+    def _bind(self, call: dp.AllocatorCall, got: Any) -> None:
+        from kvproof.conformance.compare import Divergence
+
+        try:
+            self.names.bind_full(call.op, list(call.result), [int(x) for x in got.reshape(-1).tolist()])
+        except Divergence as err:
+            self._fail(str(err))
+
+    def _impl_call(self, call: dp.AllocatorCall) -> tuple[Callable[[], Any], str]:
+        a, impl, side = call.args, self.impl, self._side
+        if call.op == "alloc":
+            return lambda: impl.alloc(a["need_size"]), f"need_size={a['need_size']}"
+        if call.op in ("alloc_extend", "alloc_extend_swa_tail"):
+            pre, seq, last = a["prefix_lens"], a["seq_lens"], side(a["last_loc"])
+            extra = [a["swa_tail_len"]] if call.op == "alloc_extend_swa_tail" else []
+            fn = getattr(impl, call.op)
+            return (lambda: fn(self._t(pre), self._cpu(pre), self._t(seq), self._cpu(seq), self._t(last),
+                               a["extend_num_tokens"], *extra),
+                    f"{pre}->{seq}" + (f", swa_tail_len={extra[0]}" if extra else ""))
+        if call.op == "alloc_decode":
+            seq, last = a["seq_lens"], side(a["last_loc"])
+            return lambda: impl.alloc_decode(self._t(seq), self._cpu(seq), self._t(last)), f"seq_lens={seq}"
+        if call.op in ("free", "free_swa"):
+            idx = side(a["free_index"])
+            return lambda: getattr(impl, call.op)(self._t(idx)), f"{len(idx)} slots"
+        if call.op == "get_cpu_copy":
+            idx = side(a["indices"])
+            return lambda: impl.get_cpu_copy(self._t(idx)), f"{len(idx)} positions"
+        if call.op == "load_cpu_copy":
+            return (lambda: impl.load_cpu_copy(self.copies.pop(call.rid), self._t(side(a["indices"]))),
+                    f"{len(a['indices'])} positions")
+        if call.op == "set_kv_buffer":
+            return self._kv_call(a), f"layer {a['layer_id']}, {len(a['loc'])} tokens"
+        raise AssertionError(f"no replay for {call.op}")
+
+    def _side(self, ref_slots: list[int]) -> list[int]:
+        return [self.names.impl_slot(s) if s > 0 else s for s in ref_slots]
+
+    def _kv_call(self, a: dict[str, Any]) -> Callable[[], Any]:
+        geo = self.config.kv
+        shape = (len(a["loc"]), geo.head_num, geo.head_dim)
+        pool = self.impl.get_kvcache()
+        dtype, dev = pool.get_kv_buffer(0)[0].dtype, self.impl.device
+        k = torch.tensor(a["cache_k"], dtype=dtype, device=dev).reshape(shape)
+        v = torch.tensor(a["cache_v"], dtype=dtype, device=dev).reshape(shape)
+        loc = self._side(a["loc"])
+        return lambda: pool.set_kv_buffer(a["layer_id"], self._t(loc), k, v)
+
+    # ------------------------------------------------------------ node invariants
+
+    @invariant()
+    def node_invariants_hold(self) -> None:
+        """No leak, D3 residency, and every running request's KV is what was written for it."""
+        try:
+            dp.check_node(self.node, self.ref)
+        except AssertionError as err:
+            self._fail(str(err))
+        if self.decode_config.write_kv:
+            self._check_kv()
+
+    def _check_kv(self) -> None:
+        geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
+        for req in self.node.running:
+            length = len(req.slots)
+            for j, f in enumerate(req.slots):
+                for layer in range(geo.num_layers):
+                    k, v = dp.token_row(req.rid, j, layer, geo.row_width)
+                    swa = geo.is_swa_layer(layer)
+                    if swa and j < length - self.w:
+                        continue  # only in-window SWA rows must survive
+                    if swa and m[f] == 0:
+                        self._fail(f"request {req.rid} has no SWA slot for in-window position {j} (L={length})")
+                    (got,) = ref.kv_rows(self.ref, layer, [m[f] if swa else f])
+                    if got != tuple(k + v):
+                        kind = "SWA" if swa else "full"
+                        self._fail(f"request {req.rid} lost the {kind} KV of position {j} (layer {layer}): "
+                                   f"reference holds {got}")
+
+
+def machine_for(factory: AllocatorFactory, config: PoolConfig, *, impl_name: str = "impl", replay_hint: str = "",
+                decode_config: dp.DecodeConfig | None = None) -> type[DecodePreallocMachine]:
+    """A decode-node machine bound to an allocator factory, a pool config and a scheduler config."""
+    return type(f"DecodePreallocMachine_{config.label().replace('-', '_')}", (DecodePreallocMachine,), {
+        "factory": staticmethod(factory), "config": config, "impl_name": impl_name, "replay_hint": replay_hint,
+        "stats": Stats(), "decode_config": decode_config or DEFAULT_DECODE_CONFIG,
+    })
+
+
+#: The conformance default: the corrected policy (D1 holds, so a failure is the allocator's), R = 0 (tight).
+DEFAULT_DECODE_CONFIG = dp.DecodeConfig(reserved_decode_tokens=0, policy=dp.PreallocPolicy.CORRECTED)

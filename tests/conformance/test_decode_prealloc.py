@@ -1,0 +1,54 @@
+"""The decode-node simulation: the corrected policy holds on every config, the upstream one crashes (S2-like)."""
+
+import re
+
+import pytest
+import torch
+
+from kvproof.conformance.check import check, run_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.decode_prealloc import DEFAULT_DECODE_CONFIG
+from kvproof.conformance.reference_impl import ReferenceAllocator
+from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+from kvproof.reference.decode_prealloc import PreallocPolicy
+
+IDS = [c.label() for c in CONFORMANCE_CONFIGS]
+UPSTREAM = DEFAULT_DECODE_CONFIG.model_copy(update={"policy": PreallocPolicy.UPSTREAM})
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device on this machine"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=IDS)
+def test_corrected_policy_holds_on_the_runtime(config, device: str) -> None:
+    report = check("decode_prealloc", lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config,
+                   profile="ci", impl_name=f"runtime[{device}]")
+    assert report.rules["pop_preallocated"] > 0 and report.rules["decode"] > 0
+    assert report.rules["retract"] > 0 and report.rules["resume_retracted_reqs"] > 0
+    assert report.rules.get("load_cpu_copy", 0) > 0
+
+
+def test_corrected_policy_holds_on_the_reference() -> None:
+    check("decode_prealloc", ReferenceAllocator, CONFORMANCE_CONFIGS[2], profile="ci", impl_name="reference")
+
+
+def test_window_eviction_is_exercised() -> None:
+    """Long enough requests decode past their window, so free_swa runs (D3 is not vacuous)."""
+    evictions = sum(run_check("decode_prealloc", SWATokenToKVPoolAllocator, c, profile="ci", impl_name="runtime",
+                              failures_dir=None).rules.get("free_swa", 0) for c in CONFORMANCE_CONFIGS)
+    assert evictions > 0
+
+
+def test_upstream_policy_crashes_and_shrinks() -> None:
+    """R4 / S2: the simulation finds an admitted request whose preallocation fails, in a short trace."""
+    for config in CONFORMANCE_CONFIGS:
+        report = run_check("decode_prealloc", SWATokenToKVPoolAllocator, config, profile="ci",
+                           impl_name="runtime, upstream policy", failures_dir=None, decode_config=UPSTREAM)
+        if not report.passed:
+            break
+    else:
+        pytest.fail("the upstream policy never crashed")
+    failure = report.failure or ""
+    assert "D1 violated in" in failure and "OutOfMemory" in failure, failure
+    steps = re.findall(r"^\s+\d+\. (\w+)\(", failure.split("operations so far:")[1].split("\n\n")[0], flags=re.M)
+    assert steps[-1] in ("pop_preallocated", "resume_retracted_reqs") and len(steps) <= 8, steps

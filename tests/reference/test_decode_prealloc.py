@@ -1,0 +1,108 @@
+"""decode_prealloc reference: S2 (upstream crash vs corrected), §2.10 capacity, typed errors, retract/resume."""
+
+import pytest
+
+from kvproof.reference import decode_prealloc as dp
+from kvproof.reference import swa_allocator as sa
+from kvproof.reference.config import KVGeometry, PoolConfig
+from kvproof.reference.errors import InvalidOperation
+
+S2_POOL = PoolConfig(size_full=64 * 20, size_swa=64 * 5, page_size=64, sliding_window_size=128)
+
+
+def s2(policy: dp.PreallocPolicy) -> dp.StepResult:
+    node = dp.initial_node(dp.DecodeConfig(reserved_decode_tokens=0, policy=policy, write_kv=False))
+    node = dp.arrive(dp.arrive(node, 1, 200, 1, 2), 2, 200, 1, 2)
+    return dp.pop_preallocated(node, sa.initial_state(S2_POOL))
+
+
+def test_s2_upstream_admits_then_crashes() -> None:
+    """S2 (§9): swa budget 320; request 1 charged 136 but takes 3 pages; request 2 passes 137 <= 184 and fails."""
+    result = s2(dp.PreallocPolicy.UPSTREAM)
+    assert result.rids == (1,)
+    assert result.crash is not None and result.crash.rid == 2
+    assert result.crash.budgets == (1024, 184) and result.crash.required == (200, 136)
+    assert [c.outcome for c in result.calls] == ["ok", "OutOfMemory"]
+
+
+def test_s2_corrected_stops_at_the_gate() -> None:
+    result = s2(dp.PreallocPolicy.CORRECTED)
+    assert result.rids == (1,) and result.crash is None
+    assert [r.rid for r in result.node.queue] == [2]  # waits for the next round
+    dp.check_node(result.node, result.allocator)
+
+
+def capacity(tail: bool) -> int:
+    """§2.10: full pool ~100k tokens, SWA pool ~10k, W=128, P=64, R=512, 8k prompts."""
+    pool = PoolConfig(size_full=64 * 1562, size_swa=64 * 156, page_size=64, sliding_window_size=128,
+                      kv=KVGeometry())
+    node = dp.initial_node(dp.DecodeConfig(policy=dp.PreallocPolicy.CORRECTED, swa_tail_prealloc=tail,
+                                           write_kv=False))
+    for rid in range(1, 21):
+        node = dp.arrive(node, rid, 8192, 1, 128)
+    result = dp.pop_preallocated(node, sa.initial_state(pool))
+    assert result.crash is None
+    return len(result.rids)
+
+
+def test_capacity_of_section_2_10() -> None:
+    """Before: one 8k request fits (its SWA reservation is the whole prompt); after: ~11 (full pool binds)."""
+    assert capacity(tail=False) == 1
+    assert capacity(tail=True) == 11
+
+
+@pytest.mark.parametrize(
+    ("args", "argument"),
+    [
+        ((1, 0, 1, 4), "origin_input_len"),
+        ((1, -5, 1, 4), "origin_input_len"),
+        ((1, 8, 0, 4), "output_len"),
+        ((1, 8, 1, 0), "max_new_tokens"),
+        ((1, 8, 1, -2), "max_new_tokens"),
+        ((1, 8, 4, 4), "output_len"),
+        ((7, 8, 1, 4), "rid"),
+    ],
+)
+def test_invalid_arrivals_are_typed_and_change_nothing(args: tuple[int, int, int, int], argument: str) -> None:
+    node = dp.arrive(dp.initial_node(), 7, 4, 1, 2)
+    with pytest.raises(InvalidOperation) as info:
+        dp.arrive(node, *args)
+    assert info.value.argument == argument
+    assert node.queue == (dp.DecodeRequest(rid=7, origin_input_len=4, output_len=1, max_new_tokens=2),)
+
+
+def test_a_running_request_cannot_arrive_again() -> None:
+    """A request id preallocated twice: rejected while it runs (and while it is retracted)."""
+    pool = PoolConfig(size_full=64, size_swa=32, page_size=4, sliding_window_size=4)
+    node = dp.arrive(dp.initial_node(dp.DecodeConfig(reserved_decode_tokens=0)), 3, 5, 1, 4)
+    result = dp.pop_preallocated(node, sa.initial_state(pool))
+    assert result.rids == (3,)
+    with pytest.raises(InvalidOperation, match="already on this node"):
+        dp.arrive(result.node, 3, 5, 1, 4)
+    back = dp.retract(result.node, result.allocator, 3)
+    with pytest.raises(InvalidOperation, match="already on this node"):
+        dp.arrive(back.node, 3, 5, 1, 4)
+    with pytest.raises(InvalidOperation) as info:
+        dp.retract(back.node, back.allocator, 3)
+    assert info.value.argument == "rid"
+
+
+def test_retract_and_resume_keep_the_window() -> None:
+    """A long request is decoded past its window, retracted, resumed: every in-window row survives (D3)."""
+    pool = PoolConfig(size_full=128, size_swa=64, page_size=4, sliding_window_size=6)
+    node = dp.arrive(dp.initial_node(dp.DecodeConfig(reserved_decode_tokens=0)), 1, 9, 1, 40)
+    step = dp.pop_preallocated(node, sa.initial_state(pool))
+    for _ in range(12):
+        step = dp.decode(step.node, step.allocator)
+        dp.check_node(step.node, step.allocator)
+    (req,) = step.node.running
+    assert req.swa_evicted_seqlen > 0  # the window has moved on
+    back = dp.retract(step.node, step.allocator, 1)
+    again = dp.resume_retracted_reqs(back.node, back.allocator)
+    assert again.rids == (1,) and again.crash is None
+    (res,) = again.node.running
+    m, w = again.allocator.full_to_swa_index_mapping, pool.sliding_window_size
+    for j in range(len(res.slots) - w, len(res.slots)):
+        k, v = dp.token_row(1, j, 0, pool.kv.row_width)  # layer 0 is the SWA layer
+        assert sa.kv_rows(again.allocator, 0, [m[res.slots[j]]]) == (tuple(k + v),)
+    dp.check_node(again.node, again.allocator)
