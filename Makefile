@@ -29,3 +29,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .kvproof .hypothesis build *.egg-info
+
+# make sglang -- a separate venv (.venv-sglang) with kvproof and the real SGLang 0.5.23 for CPU
+# (no CUDA package: see conformance/adapters/install_sglang.py), for the adapter
+# kvproof.conformance.adapters.sglang:SGLangSWAAllocator and tests/adapters.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvproof-sglang-installed
+.PHONY: sglang
+
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt conformance/adapters/install_sglang.py
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(SGLANG_VENV)/bin/python -m kvproof.conformance.adapters.install_sglang
+	touch $(SGLANG_STAMP)

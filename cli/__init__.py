@@ -29,7 +29,7 @@ def _console() -> Console:
     console = Console()
     return console if console.is_terminal else Console(width=150)
 
-PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev"]),
+PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev", "smoke"]),
                        help="Hypothesis profile (kvproof.conformance.profiles).")
 CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
                       help="Run only this pool config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
@@ -67,29 +67,71 @@ POLICY = click.option("--policy", default="corrected", show_default=True, type=c
 
 
 @main.command()
-@click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
-              help="Implementation factory (PoolConfig -> allocator). Default: kvproof's torch runtime.")
+@click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY", envvar="KVPROOF_IMPL",
+              help="Implementation factory (config -> implementation); also $KVPROOF_IMPL. "
+                   "Default: kvproof's torch runtime of each component.")
 @PROFILE
 @CONFIG
 @COMPONENT
 @POLICY
+@click.option("--seed", type=int, default=None, help="Seed of a non-derandomized profile (default: chosen, reported).")
+@click.option("--skip-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Lines 'component/config  # reason' (globs allowed): not run, reported as skipped.")
+@click.option("--xfail-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Lines 'component/config  # reason': expected to fail; a pass fails the run (stale entry).")
+@click.option("--json-report", type=click.Path(dir_okay=False), default=None, help="Write a JSON report here.")
+@click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here.")
+@click.option("--op-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds one implementation call may take before it counts as hung.")
 def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], components: tuple[str, ...],
-            policy: str) -> None:
-    """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc)."""
-    from kvproof.cli.conform import conform as run_conform, conform_table
-    from kvproof.cli.impl import DEFAULT_IMPL, load_factory
+            policy: str, seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
+            junit_xml: str | None, op_timeout: float) -> None:
+    """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc, hisparse_host)."""
+    from kvproof.cli.conform import conform_outcomes, conform_table
+    from kvproof.cli.impl import load_factory
+    from kvproof.conformance.report import load_selection, write_json, write_junit
 
     console = _console()
-    spec = impl_spec or DEFAULT_IMPL
+    factory = None
+    if impl_spec is not None:
+        try:
+            factory = load_factory(impl_spec)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--impl") from err
     try:
-        factory = load_factory(spec)
+        selection = load_selection(skip_file, xfail_file)
     except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--impl") from err
-    reports = run_conform(factory, spec, profile, configs, on_report=lambda r: _report_progress(console, r),
-                          components=components or COMPONENTS, policy=policy)
+        raise click.BadParameter(str(err), param_hint="--skip-file/--xfail-file") from err
+    try:
+        outcomes, info = conform_outcomes(factory, impl_spec, profile, configs,
+                                          on_report=lambda r: _report_progress(console, r),
+                                          components=components or COMPONENTS, policy=policy, selection=selection,
+                                          seed=seed, op_timeout=op_timeout)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--config") from err
+    reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
     _print_reports(console, reports)
-    sys.exit(0 if all(r.passed for r in reports) else 1)
+    for o in outcomes:
+        if o.status in ("skipped", "xfailed", "xpassed"):
+            style = "red" if o.status == "xpassed" else "yellow"
+            console.print(f"[{style}]{o.component} {o.config}: {o.status} ({o.reason})[/]")
+    for warning in info.warnings:
+        console.print(f"[yellow]warning: {warning}[/]")
+    console.print(f"implementation {info.impl} ({info.impl_version}); seed {info.seed}; "
+                  + ", ".join(f"{n} {k}" for k, n in _counts(outcomes).items()), markup=False, highlight=False)
+    if json_report:
+        write_json(json_report, outcomes, info)
+    if junit_xml:
+        write_junit(junit_xml, outcomes, info)
+    sys.exit(0 if all(o.ok for o in outcomes) else 1)
+
+
+def _counts(outcomes) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    return counts
 
 
 @main.command()
@@ -97,15 +139,14 @@ def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], compo
 def check(profile: str) -> None:
     """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
     from kvproof.cli.conform import conform as run_conform, conform_table, mutants_table, run_mutants
-    from kvproof.cli.impl import DEFAULT_IMPL, load_factory
     from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
 
     console = _console()
     results = run_prove()
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
-    reports = run_conform(load_factory(DEFAULT_IMPL), DEFAULT_IMPL, profile,
-                          on_report=lambda r: _report_progress(console, r), components=COMPONENTS)
+    reports = run_conform(None, None, profile, on_report=lambda r: _report_progress(console, r),
+                          components=COMPONENTS)
     console.print(conform_table(reports))
     _print_reports(console, reports)
     verdicts = run_mutants(profile)
@@ -138,6 +179,38 @@ def mutants(profile: str) -> None:
 
 
 @main.command()
+@click.argument("vector_file", metavar="VECTOR")
+@click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
+              help="Implementation to replay on. Default: the component's torch runtime.")
+def replay(vector_file: str, impl_spec: str | None) -> None:
+    """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
+
+    Exit 0 if every step and invariant passes on the implementation, 1 if it fails, 2 if
+    the vector cannot be replayed (malformed, or a step's rule does not apply).
+    """
+    from kvproof.cli.impl import load_factory
+    from kvproof.conformance.check import get_suite, replay_vector
+    from kvproof.conformance.vector import VectorError, load_vector
+
+    console = _console()
+    try:
+        vector = load_vector(vector_file)
+        spec = impl_spec or get_suite(str(vector["component"])).default_impl
+        factory = load_factory(spec)
+        result = replay_vector(vector, factory, impl_name=spec)
+    except (VectorError, ValueError) as err:
+        console.print(f"[red]cannot replay {vector_file}: {err}[/]")
+        sys.exit(2)
+    where = f"{result.component} {result.config}, {len(vector['steps'])} recorded step(s)"
+    if result.passed:
+        console.print(f"{spec}: [green]pass[/] ({where})")
+        sys.exit(0)
+    console.print(f"{spec}: [red]FAIL[/] after {result.steps} step(s) ({where})")
+    console.print(result.failure, markup=False, highlight=False, soft_wrap=True)
+    sys.exit(1)
+
+
+@main.command()
 @click.option("--quick", is_flag=True, help="Fewer repetitions (smoke run).")
 def bench(quick: bool) -> None:
     """Lockstep steps/s, runtime alloc_extend+free pairs/s at P=1 and P=4, harness overhead ratio."""
@@ -153,10 +226,13 @@ def _report_progress(console: Console, report) -> None:  # type: ignore[no-untyp
 
 
 def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untyped-def]
-    first = reports[0] if reports else None
-    if first and first.not_applicable:
-        console.print(f"not applicable (capabilities not declared): {len(first.not_applicable)} rule(s): "
-                      f"{', '.join(first.not_applicable)}")
+    groups: dict[tuple[str, ...], list[str]] = {}  # capabilities may differ per config (e.g. per page size)
+    for r in reports:
+        if r.not_applicable:
+            groups.setdefault(tuple(r.not_applicable), []).append(f"{r.component} {r.config.label()}")
+    for rules, where in groups.items():
+        console.print(f"not applicable (capabilities not declared) on {', '.join(where)}: {len(rules)} rule(s): "
+                      f"{', '.join(rules)}")
     for r in reports:
         if r.never_run:
             console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
@@ -165,3 +241,6 @@ def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untype
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
             if r.failure_file:
                 console.print(f"(saved to {r.failure_file})")
+                vector = r.failure_file.rsplit(".", 1)[0] + ".json"
+                console.print(f"replay without Hypothesis: kvproof replay {vector} --impl {r.impl_name}",
+                              markup=False, highlight=False, soft_wrap=True)

@@ -10,7 +10,10 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 * harness overhead = (time of one lockstep step) / (time of one bare runtime op),
   where a bare op is half of an alloc_extend+free pair at page size 4;
 * ``loc_cache``: the cost of ``translate_loc_from_full_to_swa`` on a cache hit and on a
-  miss (invalidate + gather), for 64 and 4096 slots.
+  miss (invalidate + gather), for 64 and 4096 slots;
+* ``hisparse_host``: tokens/s of the per-step eager backup (a batch of running requests,
+  P_h = 64, pages opened as positions cross page boundaries) on the runtime in one
+  vectorised call per step, on the runtime one request per call, and on the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from rich.table import Table
 from kvproof.conformance.check import run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.profiles import get_profile
+from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 
@@ -147,6 +152,43 @@ def capacity_table() -> Table:
     return table
 
 
+def host_backup_tokens_per_second(kind: str, batch: int, steps: int) -> float:
+    """Eager backups per second: ``batch`` requests staged with 1..P_h tokens, then ``steps`` decode steps.
+
+    ``kind``: ``runtime`` (one vectorised call per step), ``runtime_one_by_one`` (one call
+    per request), ``reference`` (the pure reference, one call per step).
+    """
+    p = 64
+    config = hh.HostPoolConfig(page_size=p, num_pages=batch * (2 + steps // p + 1), max_req_slots=batch,
+                               max_context_len=p * (steps // p + 4))
+    rng = random.Random(1)
+    prefill = [rng.randint(1, p) for _ in range(batch)]
+    reqs = list(range(batch))
+    if kind == "reference":
+        state = hh.initial_state(config)
+        for r in reqs:
+            state, _ = hh.admit_request_into_staging(state, r, list(range(prefill[r])))
+        start = time.perf_counter()
+        for step in range(steps):
+            state, _ = hh.eager_backup_previous_token(state, reqs, [n + 1 + step for n in prefill], reqs)
+        return batch * steps / (time.perf_counter() - start)
+    pool = HiSparseHostPool(config)
+    for r in reqs:
+        pool.admit_request_into_staging(r, torch.arange(prefill[r]))
+    lens = torch.tensor(prefill) + 1
+    values = torch.arange(batch)
+    _sync(pool.device)
+    start = time.perf_counter()
+    for step in range(steps):
+        if kind == "runtime":
+            pool.eager_backup_previous_token(reqs, lens + step, values)
+        else:
+            for r in reqs:
+                pool.eager_backup_previous_token([r], [prefill[r] + 1 + step], [r])
+    _sync(pool.device)
+    return batch * steps / (time.perf_counter() - start)
+
+
 def _sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -160,6 +202,10 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
     steps_per_s, steps = lockstep_steps_per_second(examples)
     hit64, miss64 = translate_cost_us(64, pairs)
     hit4k, miss4k = translate_cost_us(4096, pairs)
+    host_steps = 30 if quick else 200
+    host_vec = host_backup_tokens_per_second("runtime", 64, host_steps)
+    host_one = host_backup_tokens_per_second("runtime_one_by_one", 64, host_steps)
+    host_ref = host_backup_tokens_per_second("reference", 64, max(10, host_steps // 10))
     op_seconds = 1.0 / (2 * p4)
     overhead = (1.0 / steps_per_s) / op_seconds
     table = Table(title=f"kvproof bench (runtime device: {device}, torch {torch.__version__})")
@@ -175,10 +221,14 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
         "loc_cache translate, 64 slots: hit / miss (us)": f"{hit64:.2f} / {miss64:.2f}",
         "loc_cache translate, 4096 slots: hit / miss (us)": f"{hit4k:.2f} / {miss4k:.2f}",
         "loc_cache miss / hit, 4096 slots": f"{miss4k / hit4k:.1f}x",
+        "hisparse_host eager backup tokens/s, 64 requests, P_h=64 (runtime, batched)": f"{host_vec:,.0f}",
+        "hisparse_host backup: batched / one request per call (runtime)": f"{host_vec / host_one:.1f}x",
+        "hisparse_host backup: runtime batched / reference": f"{host_vec / host_ref:.1f}x",
     }
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)
     console.print(capacity_table())
     return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
-            "translate_hit_us": hit4k, "translate_miss_us": miss4k}
+            "translate_hit_us": hit4k, "translate_miss_us": miss4k, "host_backup_tokens_per_s": host_vec,
+            "host_backup_batched_vs_one": host_vec / host_one, "host_backup_vs_reference": host_vec / host_ref}

@@ -6,29 +6,75 @@ from collections.abc import Callable, Sequence
 
 from rich.table import Table
 
-from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, run_check
-from kvproof.conformance.configs import CONFORMANCE_CONFIGS, config_by_label
-from kvproof.reference.config import PoolConfig
+from kvproof.cli.impl import load_factory
+from kvproof.conformance.check import (
+    DEFAULT_OP_TIMEOUT,
+    CheckReport,
+    MutantVerdict,
+    get_suite,
+    kill_mutants,
+    run_check,
+)
+from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.report import Outcome, RunInfo, Selection, forced_seed, impl_version
 
-__all__ = ["conform", "conform_table", "run_mutants", "mutants_table"]
+__all__ = ["conform", "conform_outcomes", "conform_table", "run_mutants", "mutants_table"]
 
 
-def conform(factory: Callable, impl_spec: str, profile: str, labels: Sequence[str] = (),
+def conform(factory: Callable | None, impl_spec: str | None, profile: str, labels: Sequence[str] = (),
             on_report: Callable[[CheckReport], None] | None = None,
             components: Sequence[str] = ("swa_allocator",), policy: str = "corrected") -> list[CheckReport]:
-    configs: Sequence[PoolConfig] = [config_by_label(x) for x in labels] or CONFORMANCE_CONFIGS
-    reports = []
-    for component in components:
-        options = _options(component, policy)
-        for cfg in configs:
-            replay = (f"kvproof conform --component {component} --impl {impl_spec} --config {cfg.label()} "
-                      f"--profile {profile}" + (f" --policy {policy}" if options else ""))
-            report = run_check(component, factory, cfg, profile=profile, impl_name=impl_spec, replay=replay,
-                               **options)
-            reports.append(report)
-            if on_report:
-                on_report(report)
-    return reports
+    """Each component's suite on its configs (or those ``labels`` name): the reports of the tests that ran."""
+    outcomes, _ = conform_outcomes(factory, impl_spec, profile, labels, on_report, components, policy)
+    return [o.report for o in outcomes if o.report is not None]
+
+
+def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: str, labels: Sequence[str] = (),
+                     on_report: Callable[[CheckReport], None] | None = None,
+                     components: Sequence[str] = ("swa_allocator",), policy: str = "corrected", *,
+                     selection: Selection | None = None, seed: int | None = None,
+                     op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> tuple[list[Outcome], RunInfo]:
+    """Run the suites against ``factory`` (or each suite's default) and classify every test.
+
+    A label that names no config of any selected component is an error (``ValueError``
+    listing the labels), never a silent no-op. ``selection`` skips or expects failures
+    (entries matching nothing are warnings in the returned :class:`RunInfo`).
+    """
+    suites = [get_suite(c) for c in components]
+    known = {cfg.label() for suite in suites for cfg in suite.configs}
+    unknown = [x for x in labels if x not in known]
+    if unknown:
+        raise ValueError(f"unknown config(s) {unknown}; choose from {sorted(known)}")
+    selection = selection or Selection()
+    outcomes: list[Outcome] = []
+    versions: set[str] = set()
+    with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
+        for suite in suites:
+            spec = impl_spec or suite.default_impl
+            make = factory if factory is not None else load_factory(spec)
+            options = _options(suite.component, policy)
+            for cfg in (c for c in suite.configs if not labels or c.label() in labels):
+                test_id = f"{suite.component}/{cfg.label()}"
+                chosen = selection.match(test_id)
+                if chosen and chosen[0] == "skip":
+                    outcomes.append(Outcome(suite.component, cfg.label(), "skipped", chosen[1]))
+                    continue
+                replay = (f"kvproof conform --component {suite.component} --impl {spec} --config {cfg.label()} "
+                          f"--profile {profile}" + (f" --policy {policy}" if options else "")
+                          + (f" --seed {used_seed}" if isinstance(used_seed, int) else ""))
+                report = run_check(suite.component, make, cfg, profile=profile, impl_name=spec, replay=replay,
+                                   op_timeout=op_timeout, **options)
+                versions.add(impl_version(None, make))
+                status = "passed" if report.passed else "failed"
+                if chosen:  # an expected failure
+                    status = "xpassed" if report.passed else "xfailed"
+                outcomes.append(Outcome(suite.component, cfg.label(), status, chosen[1] if chosen else "", report))
+                if on_report:
+                    on_report(report)
+    spec_names = impl_spec or ", ".join(get_suite(c).default_impl for c in components)
+    info = RunInfo(spec_names, "; ".join(sorted(versions)) or "unknown", used_seed, profile,
+                   tuple(selection.unmatched()))
+    return outcomes, info
 
 
 def _options(component: str, policy: str) -> dict[str, object]:
@@ -60,7 +106,7 @@ def run_mutants(profile: str) -> list[MutantVerdict]:
 
     verdicts = []
     for component, mutants in MUTANTS.items():
-        verdicts += kill_mutants(mutants, CONFORMANCE_CONFIGS, profile=profile, component=component)
+        verdicts += kill_mutants(mutants, profile=profile, component=component)
     return verdicts
 
 

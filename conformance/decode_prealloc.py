@@ -31,22 +31,39 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from kvproof.conformance.protocol import AllocatorFactory, Capability
 from kvproof.conformance.swa_allocator import LockstepMachine, Req, Stats
+from kvproof.conformance.vector import recorded
 from kvproof.reference import decode_prealloc as dp
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
 
-__all__ = ["DecodePreallocMachine", "RULE_CAPABILITIES", "machine_for"]
+__all__ = ["DecodePreallocMachine", "RULE_CAPABILITIES", "rule_capabilities", "allocating_needs", "machine_for"]
 
 C = Capability
-_ALLOCATING = frozenset({C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL, C.ALLOC, C.ALLOC_DECODE, C.CPU_COPY, C.KV_BUFFER})
-RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
-    "arrive": frozenset(),
-    "pop_preallocated": _ALLOCATING,
-    "decode": _ALLOCATING,
-    "retract": _ALLOCATING,
-    "resume_retracted_reqs": _ALLOCATING,
-}
+
+
+def allocating_needs(config: PoolConfig) -> frozenset[Capability]:
+    """What the reference scheduler calls on the allocator at this page size (``_pre_alloc``, decode, retract).
+
+    P == 1: ``alloc`` preallocates; P > 1: ``alloc_extend_swa_tail`` (tail mode) and
+    ``alloc_extend``. Decoding uses ``alloc_decode``; retraction and resumption the CPU
+    copy; requests write KV. Requests with released SWA pages are freed with ``free``
+    (``FREE_RELEASED_SWA``).
+    """
+    prealloc = {C.ALLOC} if config.page_size == 1 else {C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL}
+    return frozenset(prealloc | {C.ALLOC_DECODE, C.CPU_COPY, C.KV_BUFFER, C.FREE_RELEASED_SWA})
+
+
+def rule_capabilities(config: PoolConfig) -> dict[str, frozenset[Capability]]:
+    """Each rule's needs for ``config`` (``arrive`` touches no allocator)."""
+    needs = allocating_needs(config)
+    return {"arrive": frozenset(), "pop_preallocated": needs, "decode": needs, "retract": needs,
+            "resume_retracted_reqs": needs}
+
+
+#: The needs at page size > 1 (the per-config ones: :func:`rule_capabilities`).
+RULE_CAPABILITIES: dict[str, frozenset[Capability]] = rule_capabilities(
+    PoolConfig(size_full=8, size_swa=8, page_size=2, sliding_window_size=2))
 
 
 class DecodePreallocMachine(LockstepMachine):
@@ -60,9 +77,14 @@ class DecodePreallocMachine(LockstepMachine):
         self.node = dp.initial_node(self.decode_config)
         self.copies: dict[int, object] = {}  # the implementation's CPU copies of retracted requests
 
+    def _applicable(self) -> bool:
+        """The allocator declares what the scheduler calls (else the rules are reported not applicable)."""
+        return allocating_needs(self.config) <= self.caps
+
     # ------------------------------------------------------------ rules
 
     @rule(data=st.data())
+    @recorded
     def arrive(self, data: st.DataObject) -> None:
         """A request prefilled elsewhere joins the queue (prompt lengths biased to page and window edges)."""
         p, w, top = self.p, self.w, self.config.size_full
@@ -77,27 +99,31 @@ class DecodePreallocMachine(LockstepMachine):
         self.stats.rules["arrive"] += 1
         self.trace.op(f"arrive(request {rid}: prompt {origin}, outputs {out}, max_new_tokens {max_new})")
 
-    @precondition(lambda self: self.node.queue)
+    @precondition(lambda self: self.node.queue and self._applicable())
     @rule()
+    @recorded
     def pop_preallocated(self) -> None:
         """One admission round: budgets, gates, preallocation (D1 must hold)."""
         self._step("pop_preallocated", dp.pop_preallocated(self.node, self.ref))
 
-    @precondition(lambda self: self.node.running)
+    @precondition(lambda self: self.node.running and self._applicable())
     @rule()
+    @recorded
     def decode(self) -> None:
         """One decode step of the running batch (stalls, changing nothing, if the pools are short)."""
         self._step("decode", dp.decode(self.node, self.ref))
 
-    @precondition(lambda self: self.node.running)
+    @precondition(lambda self: self.node.running and self._applicable())
     @rule(data=st.data())
+    @recorded
     def retract(self, data: st.DataObject) -> None:
         """Retract one running request to a CPU copy (what the scheduler does when decode stalls)."""
         rid = data.draw(st.sampled_from([r.rid for r in self.node.running]), label="request")
         self._step("retract", dp.retract(self.node, self.ref, rid))
 
-    @precondition(lambda self: self.node.retracted)
+    @precondition(lambda self: self.node.retracted and self._applicable())
     @rule()
+    @recorded
     def resume_retracted_reqs(self) -> None:
         """Re-admit retracted requests and load their KV back (D1 must hold here too)."""
         self._step("resume_retracted_reqs", dp.resume_retracted_reqs(self.node, self.ref))

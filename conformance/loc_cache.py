@@ -30,6 +30,7 @@ from kvproof.conformance.index_arena import IndexArena
 from kvproof.conformance.protocol import AllocatorFactory, Capability, LocCacheSystemUnderTest
 from kvproof.conformance.swa_allocator import RULE_CAPABILITIES as ALLOCATOR_RULES
 from kvproof.conformance.swa_allocator import Stats, SWAAllocatorMachine
+from kvproof.conformance.vector import recorded
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
@@ -139,10 +140,11 @@ class LocCacheMachine(SWAAllocatorMachine):
     def _slot_candidates(self) -> list[int]:
         """Implementation slots worth translating: live ones, the next free pages' slots, padding, -1."""
         live = [self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots]
-        free = [g * self.p for g in self.impl.snapshot().full.free_pages[:3]]
+        free = [g * self.p for g in self._snapshot().full.free_pages[:3]]
         return sorted(set(live + free)) + [0, -1]
 
     @rule(data=st.data())
+    @recorded
     def new_storage(self, data: st.DataObject) -> None:
         """A new index tensor at a fresh address (creation rewrites no memory a key may cover)."""
         n = data.draw(st.integers(1, 4), label="numel")
@@ -157,6 +159,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: any(v.numel >= 2 for v in self._alive_views()))
     @rule(data=st.data())
+    @recorded
     def make_view(self, data: st.DataObject) -> None:
         """A view of an existing storage at another offset: same storage, its own address (S5)."""
         base = data.draw(st.sampled_from([v for v in self._alive_views() if v.numel >= 2]), label="storage")
@@ -172,6 +175,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: self.phase == "quiet" and self._alive_views())
     @rule(data=st.data())
+    @recorded
     def translate_loc_from_full_to_swa(self, data: st.DataObject) -> None:
         """1-3 scheduler-side translations in a row (E1: only in the quiet phase), each on pool 0 or 1.
 
@@ -223,6 +227,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: self._has(C.FORWARD) and self.phase == "quiet" and self.batch_storage is not None)
     @rule()
+    @recorded
     def prepare_batch(self) -> None:
         """The last batch's out_cache_loc is freed; the next batch's tensors may take its address."""
         assert self.batch_storage is not None
@@ -236,6 +241,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: self._has(C.FORWARD) and self._has(C.KV_BUFFER) and self.reqs)
     @rule(data=st.data())
+    @recorded
     def forward(self, data: st.DataObject) -> None:
         """One forward whose new tokens are a request's last k positions: every layer's KV through the translation."""
         req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
@@ -267,6 +273,7 @@ class LocCacheMachine(SWAAllocatorMachine):
     @precondition(lambda self: self._has(C.FORWARD) and self._has(C.KV_BUFFER) and self._has(C.ALLOC_DECODE)
                   and self._has(C.ALLOC_EXTEND) and any(self._extendable(r) for r in self.reqs.values()))
     @rule(data=st.data())
+    @recorded
     def decode_step(self, data: st.DataObject) -> None:
         """A running batch's next step, as the scheduler does it: the last out_cache_loc is freed, the batch
         grows (alloc_decode or alloc_extend; last_loc may land on the freed block), then a forward -- or a
@@ -285,7 +292,8 @@ class LocCacheMachine(SWAAllocatorMachine):
             size = min(self.batch_len, len(ready)) if data.draw(st.booleans(), label="same_batch_size") else \
                 data.draw(st.integers(1, min(3, len(ready))), label="batch_size")
             grow = 1 if data.draw(st.booleans(), label="decode") else data.draw(st.integers(1, self.p + 1), label="grow")
-        batch = data.draw(st.permutations(ready), label="batch")[:size]
+        order = data.draw(st.permutations(range(len(ready))), label="batch_order")  # indices: replayable
+        batch = [ready[i] for i in order[:size]]
         op = "alloc_decode" if grow == 1 else "alloc_extend"
         before = {r.rid: len(r.slots) for r in batch}
         self._extend(op, [(r.rid, len(r.slots), len(r.slots) + grow) for r in batch])
@@ -337,6 +345,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: self._has(C.GRAPH_CAPTURE) and self._has(C.KV_BUFFER) and self.graph is None)
     @rule(numel=st.integers(1, 3))
+    @recorded
     def capture(self, numel: int) -> None:
         """Capture run_once on a static padding buffer (warm-ups, then the capture run)."""
         sid = self._store([0] * numel)
@@ -351,6 +360,7 @@ class LocCacheMachine(SWAAllocatorMachine):
     @precondition(lambda self: self.graph is not None and any(len(r.slots) >= self.graph.numel
                                                               for r in self.reqs.values()))
     @rule(data=st.data())
+    @recorded
     def replay(self, data: st.DataObject) -> None:
         """Fill the static buffers with a batch (batch preparation), then replay the captured graph."""
         graph = self.graph
@@ -381,6 +391,7 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     @precondition(lambda self: self._has(C.REGISTER_MAPPING) and self.pending is None and self.reqs)
     @rule()
+    @recorded
     def register_mapping(self) -> None:
         """A fresh mapping (every page free) registered with the same KV pool (#25889)."""
         out = self._run("register_mapping", "", lambda: (ref.clear(self.ref), None), self.impl.register_mapping)

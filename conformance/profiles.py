@@ -1,4 +1,4 @@
-"""Hypothesis profiles for kvproof's lockstep runs: ``ci``, ``nightly`` and ``dev``.
+"""Hypothesis profiles for kvproof's lockstep runs: ``ci``, ``nightly``, ``dev`` and ``smoke``.
 
 They are registered under those names and always passed explicitly, never picked
 up implicitly: Hypothesis activates its own built-in ``ci`` profile whenever the
@@ -6,7 +6,8 @@ up implicitly: Hypothesis activates its own built-in ``ci`` profile whenever the
 ``ci`` is derandomized (the same command finds the same failures), keeps no
 example database and prints the reproduction blob; ``nightly`` is randomized,
 longer, and keeps every failing example in ``.kvproof/hypothesis`` so nothing
-found is lost between runs.
+found is lost between runs. ``dev`` is a short derandomized run; ``smoke`` a short
+randomized one (its seed is chosen and reported, ``--seed`` replays it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ PROFILES: dict[str, settings] = {
                         print_blob=True, suppress_health_check=_SLOW_OK),
     "dev": settings(max_examples=15, stateful_step_count=20, derandomize=True, database=None,
                     deadline=None, print_blob=True, suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN),
+    "smoke": settings(max_examples=15, stateful_step_count=20, derandomize=False, database=None,
+                      deadline=None, print_blob=True, suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN),
 }
 for _name, _settings in PROFILES.items():
     settings.register_profile(_name, _settings)

@@ -27,9 +27,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "LocCacheSystemUnderTest", "AllocatorFactory"]
+__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "LocCacheSystemUnderTest", "AllocatorFactory",
+           "HostPoolUnderTest", "HostPoolFactory"]
 
 
 class Capability(str, enum.Enum):
@@ -40,6 +42,9 @@ class Capability(str, enum.Enum):
     ALLOC_DECODE = "alloc_decode"
     ALLOC_EXTEND_SWA_TAIL = "alloc_extend_swa_tail"
     FREE_FULL = "free_full"  # 0.5.23: release full slots whose SWA side is already released
+    # free / free_swa accept slots whose SWA side is already released (M == 0) and skip them (SGLang at P > 1);
+    # without it the harness frees such requests as free_swa(still mapped) + free_full(all)
+    FREE_RELEASED_SWA = "free_released_swa"
     BACKUP_RESTORE = "backup_restore"  # backup_state / restore_state (gone in SGLang 0.5.23)
     CPU_COPY = "cpu_copy"  # get_cpu_copy / load_cpu_copy with swa_mask
     KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer
@@ -143,3 +148,38 @@ class LocCacheSystemUnderTest(SWAAllocatorUnderTest, Protocol):
 
 
 AllocatorFactory = Callable[[PoolConfig], SWAAllocatorUnderTest]
+
+
+@runtime_checkable
+class HostPoolUnderTest(Protocol):
+    """Component ``hisparse_host`` (sglang_semantics.md §4): the host pool, its request table, the coordinator.
+
+    Method names are SGLang's (``HiSparseHostPoolMixin``, ``HiSparseCoordinator``);
+    request slots index ``req_to_host_pool``. Host slots are int64; values are one
+    int64 per host slot (the stand-in for KV rows). Declared capabilities:
+    ``REJECTS_MISUSE`` (holes, rows too short, slots out of range raise
+    ``InvalidOperation``), ``EXACT_PAGE_ORDER`` (FIFO hand-out exactly as SGLang).
+    """
+
+    capabilities: frozenset[Capability]
+    device: torch.device
+
+    def available_size(self) -> int: ...
+
+    def alloc_paged_token_slots(self, req: int, start_pos: int, num_tokens: int) -> torch.Tensor: ...
+
+    def allocated_host_indices(self, req: int) -> torch.Tensor: ...
+
+    def request_finished(self, req: int) -> None: ...
+
+    def admit_request_into_staging(self, req: int, values: torch.Tensor) -> torch.Tensor: ...
+
+    def eager_backup_previous_token(self, reqs: torch.Tensor, seq_lens: torch.Tensor,
+                                    values: torch.Tensor) -> torch.Tensor: ...
+
+    def get_host_data(self, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def snapshot(self) -> HostPoolSnapshot: ...
+
+
+HostPoolFactory = Callable[[HostPoolConfig], HostPoolUnderTest]

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from kvproof.conformance.protocol import Capability
+from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["ReferenceAllocator", "ReferenceKVPool"]
+__all__ = ["ReferenceAllocator", "ReferenceKVPool", "ReferenceHostPool"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -147,3 +148,43 @@ class ReferenceAllocator:
 
     def snapshot(self) -> AllocatorSnapshot:
         return ref.snapshot(self.state)
+
+
+class ReferenceHostPool:
+    """Component ``hisparse_host``: the pure reference (any coordinator) behind ``HostPoolUnderTest``."""
+
+    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER})
+    device = torch.device("cpu")
+
+    def __init__(self, config: hh.HostPoolConfig) -> None:
+        self.config = config
+        self.state = hh.initial_state(config)
+
+    def available_size(self) -> int:
+        return hh.available_size(self.state)
+
+    def alloc_paged_token_slots(self, req: int, start_pos: int, num_tokens: int) -> torch.Tensor:
+        self.state, slots = hh.alloc_paged_token_slots(self.state, req, start_pos, num_tokens)
+        return _tensor(slots)
+
+    def allocated_host_indices(self, req: int) -> torch.Tensor:
+        return _tensor(hh.allocated_host_indices(self.state, req))
+
+    def request_finished(self, req: int) -> None:
+        self.state = hh.request_finished(self.state, req)
+
+    def admit_request_into_staging(self, req: int, values: torch.Tensor) -> torch.Tensor:
+        self.state, slots = hh.admit_request_into_staging(self.state, req, _ints(values))
+        return _tensor(slots)
+
+    def eager_backup_previous_token(self, reqs: torch.Tensor, seq_lens: torch.Tensor,
+                                    values: torch.Tensor) -> torch.Tensor:
+        self.state, slots = hh.eager_backup_previous_token(self.state, _ints(reqs), _ints(seq_lens), _ints(values))
+        return _tensor(slots)
+
+    def get_host_data(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([-1 if v is None else v for v in hh.get_host_data(self.state, _ints(slots))],
+                            dtype=torch.int64)
+
+    def snapshot(self) -> hh.HostPoolSnapshot:
+        return hh.snapshot(self.state)

@@ -19,22 +19,23 @@ only for implementations declaring ``Capability.REJECTS_MISUSE``.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from kvproof.conformance.compare import Divergence, Renaming
+from kvproof.conformance.lockstep import HarnessError, LockstepCore, LockstepFailure, Stats
 from kvproof.conformance.protocol import AllocatorFactory, Capability, SWAAllocatorUnderTest
+from kvproof.conformance.vector import recorded
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.invariants import check_invariants
+from kvproof.reference.snapshot import AllocatorSnapshot
 
 __all__ = ["LockstepMachine", "SWAAllocatorMachine", "RULE_CAPABILITIES", "MISUSE_CASES", "machine_for", "HarnessError", "LockstepFailure"]
 
@@ -58,49 +59,6 @@ RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
     "misuse": frozenset({C.REJECTS_MISUSE}),
 }
 _ALLOCATING = (C.ALLOC, C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)
-
-
-class LockstepFailure(AssertionError):
-    """The implementation diverged; the message has the op, the step, the values and a replay hint."""
-
-
-class HarnessError(RuntimeError):
-    """The harness itself generated a call the reference rejects: a bug in kvproof, not in the implementation."""
-
-
-class Trace:
-    """The operations of one test case, grouped by state-machine step (a rule and what it did)."""
-
-    def __init__(self) -> None:
-        self.steps: list[list[str]] = [[]]
-        self._heads: list[int | None] = [None]
-
-    def op(self, text: str, *, aside: str | None = None) -> None:
-        """Record an operation; an ``aside`` (e.g. a harness read around the step's operation) is annotated."""
-        if aside is None and self._heads[-1] is None:
-            self._heads[-1] = len(self.steps[-1])
-        self.steps[-1].append(f"{text}" if aside is None else f"({aside}) {text}")
-
-    def outcome(self, text: str) -> None:
-        self.steps[-1][-1] += text
-
-    def next_step(self) -> None:
-        if self.steps[-1]:
-            self.steps.append([])
-            self._heads.append(None)
-
-    def __len__(self) -> int:
-        return sum(1 for step in self.steps if step)
-
-    def render(self) -> str:
-        """Numbered steps, each headed by its own operation; asides and further operations indented, in order."""
-        lines = []
-        steps = [(s, h) for s, h in zip(self.steps, self._heads, strict=True) if s]
-        for i, (step, head) in enumerate(steps, 1):
-            first = head if head is not None else 0
-            lines.append(f"  {i}. {step[first]}")
-            lines += [f"       {'then ' if j > first else 'before: '}{op}" for j, op in enumerate(step) if j != first]
-        return "\n".join(lines) or "  (no operation yet)"
 
 
 @dataclass
@@ -129,16 +87,6 @@ class Pending:
     reqs: dict[int, list[int]]
 
 
-@dataclass
-class Stats:
-    """Per-run counters: rule executions, outcomes, steps (reported by ``check_swa_allocator``)."""
-
-    rules: collections.Counter[str] = field(default_factory=collections.Counter)
-    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
-    steps: int = 0
-    examples: int = 0
-
-
 def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
     """Token counts biased to page and window boundaries, within ``1..top``."""
     edges = {k * p + d for k in range(1, 6) for d in (-1, 0, 1)} | {w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, 1, 2}
@@ -146,7 +94,7 @@ def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(1, top))
 
 
-class LockstepMachine(RuleBasedStateMachine):
+class LockstepMachine(LockstepCore):
     """Lockstep plumbing shared by the component machines: the implementation, the reference allocator,
     the page renaming, the trace, one call on both sides (:meth:`_run`) and the comparison invariant.
 
@@ -155,15 +103,12 @@ class LockstepMachine(RuleBasedStateMachine):
 
     factory: ClassVar[AllocatorFactory]
     config: ClassVar[PoolConfig]
-    impl_name: ClassVar[str] = "impl"
-    replay_hint: ClassVar[str] = ""
-    stats: ClassVar[Stats]
+    impl: SWAAllocatorUnderTest
+    snapshot_type = AllocatorSnapshot
 
     def __init__(self) -> None:
         super().__init__()
         cfg = self.config
-        self.impl: SWAAllocatorUnderTest = type(self).factory(cfg)
-        self.caps = frozenset(self.impl.capabilities)
         self.p, self.w = cfg.page_size, cfg.sliding_window_size
         self.ref = ref.initial_state(cfg)
         self.names = Renaming(self.p, exact=C.EXACT_PAGE_ORDER in self.caps)
@@ -171,17 +116,8 @@ class LockstepMachine(RuleBasedStateMachine):
         self.retracted: list[Retracted] = []
         self.pending: Pending | None = None
         self.next_rid, self.tag = 1, 0
-        self.trace = Trace()
-        self.last_op = ""
-        self.stats.examples += 1
 
     # ------------------------------------------------------------ plumbing
-
-    def _fail(self, message: str) -> None:
-        raise LockstepFailure(
-            f"{self.impl_name} diverged from the reference [{self.config.label()}] at step {len(self.trace)}:\n"
-            f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.replay_hint}"
-        )
 
     def _t(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.impl.device)
@@ -197,51 +133,6 @@ class LockstepMachine(RuleBasedStateMachine):
     def _cpu(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
 
-    def _run(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any],
-             *, expect_misuse: bool = False) -> tuple[Any, Any] | None:
-        """Run ``op`` on both sides; same outcome class or a divergence. ``None`` if both failed."""
-        self.stats.rules[op] += 1
-        self.trace.op(f"{op}({args})")
-        self.last_op = op
-        try:
-            ref_result = ref_call()
-        except (OutOfMemory, InvalidOperation) as err:
-            if isinstance(err, InvalidOperation) and not expect_misuse:
-                raise HarnessError(f"harness generated an invalid call {op}({args}): {err}") from err
-            self._expect_failure(op, err, impl_call)
-            return None
-        if expect_misuse:
-            raise HarnessError(f"misuse case {op}({args}) was accepted by the reference")
-        try:
-            impl_result = impl_call()
-        except PoolError as err:
-            self._fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded")
-        except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
-            self._fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded")
-        self.trace.outcome(" -> ok")
-        self.stats.outcomes["ok"] += 1
-        return ref_result, impl_result
-
-    def _expect_failure(self, op: str, ref_err: PoolError, impl_call: Callable[[], Any]) -> None:
-        """The reference failed: the implementation must fail the same way and change nothing."""
-        kind = type(ref_err)
-        before = self.impl.snapshot()
-        self.trace.outcome(f" -> {kind.__name__}")
-        self.stats.outcomes[kind.__name__] += 1
-        try:
-            impl_call()
-        except kind:
-            pass
-        except PoolError as err:
-            self._fail(f"{op} raised {type(err).__name__} ({err}); the reference raised {kind.__name__} ({ref_err})")
-        except Exception as err:  # noqa: BLE001
-            self._fail(f"{op} crashed with {type(err).__name__}: {err}; expected {kind.__name__} ({ref_err})")
-        else:
-            self._fail(f"{op} succeeded; the reference raised {kind.__name__}: {ref_err}")
-        if self.impl.snapshot() != before:
-            self._fail(f"{op} failed with {kind.__name__} but changed the allocator (a failed operation must "
-                       "leave the state unchanged)")
-
     def _impl_slots(self, ref_slots: list[int]) -> list[int]:
         return [self.names.impl_slot(s) for s in ref_slots]
 
@@ -252,9 +143,6 @@ class LockstepMachine(RuleBasedStateMachine):
     def _extendable(self, req: Req) -> bool:
         """A 1:1 extend may continue ``req``: page-aligned, or its last token still has an SWA slot (M5)."""
         return len(req.slots) % self.p == 0 or self.ref.full_to_swa_index_mapping[req.slots[-1]] > 0
-
-    def _has(self, cap: Capability) -> bool:
-        return cap in self.caps
 
     # ------------------------------------------------------------ helpers for allocation and release
 
@@ -299,6 +187,7 @@ class LockstepMachine(RuleBasedStateMachine):
     def _adopt(self, op: str, out: tuple[Any, Any], grown: list[tuple[int, list[int], int]]) -> None:
         """Take the new reference state, bind the returned pages, extend the request table."""
         (state, ref_slots), impl_slots = out
+        self._require_indices(op, impl_slots, len(ref_slots))
         impl_list = [int(x) for x in impl_slots.reshape(-1).tolist()]
         self.ref = state
         try:
@@ -371,17 +260,19 @@ class LockstepMachine(RuleBasedStateMachine):
         self._after_step()
         check_invariants(self.ref)
         try:
-            snap = self.impl.snapshot()
+            snap = self._snapshot()
             self.names.compare(self.ref, snap)
             for what, mine, theirs in (
-                ("available_size", ref.available_size(self.ref), self.impl.available_size()),
-                ("full_available_size", ref.full_available_size(self.ref), self.impl.full_available_size()),
-                ("swa_available_size", ref.swa_available_size(self.ref), self.impl.swa_available_size()),
+                ("available_size", ref.available_size(self.ref), self._observe("available_size()", self.impl.available_size)),
+                ("full_available_size", ref.full_available_size(self.ref),
+                 self._observe("full_available_size()", self.impl.full_available_size)),
+                ("swa_available_size", ref.swa_available_size(self.ref),
+                 self._observe("swa_available_size()", self.impl.swa_available_size)),
             ):
                 if int(theirs) != mine:
                     self._fail(f"{what}() = {theirs}, reference {mine}")
             if self._has(C.KV_BUFFER):
-                self._compare_kv()
+                self._observe("get_kvcache().get_kv_buffer()", self._compare_kv)
         except Divergence as err:
             self._fail(str(err))
         self.trace.next_step()
@@ -392,7 +283,7 @@ class LockstepMachine(RuleBasedStateMachine):
     def _compare_kv(self) -> None:
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
         kvpool = self.impl.get_kvcache()
-        snap_m = self.impl.snapshot().full_to_swa_index_mapping
+        snap_m = self._snapshot().full_to_swa_index_mapping
         for layer in range(geo.num_layers):
             is_swa = geo.is_swa_layer(layer)
             pairs: list[tuple[int, int, int]] = []  # (ref slot, impl slot, rid)
@@ -423,9 +314,10 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.ALLOC))
     @rule(pages=st.integers(0, 4))
+    @recorded
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
-        self._about_to_change([g * self.p for g in self.impl.snapshot().full.free_pages[:pages]])
+        self._about_to_change([g * self.p for g in self._snapshot().full.free_pages[:pages]])
         out = self._run("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
                         lambda: self.impl.alloc(n))
         if out:
@@ -433,18 +325,21 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.ALLOC_EXTEND))
     @rule(data=st.data())
+    @recorded
     def alloc_extend(self, data: st.DataObject) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=True)
         self._extend("alloc_extend", batch)
 
     @precondition(lambda self: self._has(C.ALLOC_DECODE) and any(self._extendable(r) for r in self.reqs.values()))
     @rule(data=st.data())
+    @recorded
     def alloc_decode(self, data: st.DataObject) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=False)
         self._extend("alloc_decode", [(rid, prefix, prefix + 1) for rid, prefix, _ in batch])
 
     @precondition(lambda self: self._has(C.ALLOC_EXTEND_SWA_TAIL))
     @rule(data=st.data())
+    @recorded
     def alloc_extend_swa_tail(self, data: st.DataObject) -> None:
         existing = [r for r in self.reqs.values()]
         req = data.draw(st.sampled_from(existing), label="request") if existing and data.draw(
@@ -456,7 +351,7 @@ class SWAAllocatorMachine(LockstepMachine):
         tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
             st.sampled_from(valid), label="swa_tail_len")
         rid = req.rid if req else self._new_rid()
-        self._about_to_change([g * self.p + o for g in self.impl.snapshot().full.free_pages[:2] for o in range(self.p)])
+        self._about_to_change([g * self.p + o for g in self._snapshot().full.free_pages[:2] for o in range(self.p)])
         last = req.slots[-1] if req else -1
         impl_last = self.names.impl_slot(last) if req else -1
         ext = seq - prefix
@@ -470,13 +365,32 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self.reqs and self.pending is None)
     @rule(data=st.data())
+    @recorded
     def free(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-        self._release("free", req, req.slots)
-        self.reqs.pop(req.rid)
+        if self._free_request(req):
+            self.reqs.pop(req.rid)
+
+    def _free_request(self, req: Req) -> bool:
+        """Release all of ``req``: ``free``, or, when the implementation does not declare
+        ``FREE_RELEASED_SWA`` and some position's SWA side is gone, ``free_swa`` of the still-mapped
+        positions then ``free_full`` (``False``: neither is possible, the request stays)."""
+        m = self.ref.full_to_swa_index_mapping
+        if self._has(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots):
+            self._release("free", req, req.slots)
+            return True
+        if not self._has(C.FREE_FULL):
+            self.stats.rules["free:not_applicable"] += 1
+            return False
+        mapped = [s for s in req.slots if m[s] > 0]
+        if mapped:
+            self._release("free_swa", req, mapped, "its still-mapped positions")
+        self._release("free_full", req, req.slots)
+        return True
 
     @precondition(lambda self: self.reqs and self.pending is None)
     @rule(data=st.data())
+    @recorded
     def free_swa(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
         last_page_start = floor_p(len(req.slots) - 1, self.p)
@@ -487,10 +401,18 @@ class SWAAllocatorMachine(LockstepMachine):
         else:
             hi = data.draw(st.integers(1, last_page_start), label="evict_end")
             lo = data.draw(st.integers(0, hi - 1), label="evict_start")
-        self._release("free_swa", req, req.slots[lo:hi], f"positions [{lo}, {hi})")
+        slots = req.slots[lo:hi]
+        if not self._has(C.FREE_RELEASED_SWA):  # only positions whose SWA side is still there
+            m = self.ref.full_to_swa_index_mapping
+            slots = [s for s in slots if m[s] > 0]
+            if not slots:
+                self.stats.rules["free_swa:not_applicable"] += 1
+                return
+        self._release("free_swa", req, slots, f"positions [{lo}, {hi})")
 
     @precondition(lambda self: self._has(C.FREE_FULL) and self.pending is None and self._swa_released())
     @rule(data=st.data())
+    @recorded
     def free_full(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(self._swa_released()), label="request")
         self._release("free_full", req, req.slots)
@@ -498,6 +420,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
     @rule()
+    @recorded
     def clear(self) -> None:
         self._about_to_change([self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots[-1:]])
         out = self._run("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
@@ -509,12 +432,13 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.SET_FULL_TO_SWA_MAPPING) and self.pending is None and self._swappable())
     @rule(data=st.data())
+    @recorded
     def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
         """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
         req, pages = data.draw(st.sampled_from(self._swappable()), label="request")
         a, b = data.draw(st.sampled_from([(x, y) for x in pages for y in pages if x < y]), label="pages")
         ref_full, ref_swa = self._swap(req, a, b, self.ref.full_to_swa_index_mapping, lambda s: s)
-        impl_m = self.impl.snapshot().full_to_swa_index_mapping
+        impl_m = self._snapshot().full_to_swa_index_mapping
         impl_full, impl_swa = self._swap(req, a, b, impl_m, self.names.impl_slot)
         self._about_to_change(impl_full)
         out = self._run("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
@@ -525,6 +449,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None and self.reqs)
     @rule()
+    @recorded
     def backup_state(self) -> None:
         """Speculative decoding drafts for running requests: nothing to draft for without one."""
         out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
@@ -533,6 +458,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self.pending is not None)
     @rule()
+    @recorded
     def restore_state(self) -> None:
         pending = self.pending
         assert pending is not None
@@ -545,6 +471,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.KV_BUFFER) and self.reqs)
     @rule(data=st.data())
+    @recorded
     def set_kv_buffer(self, data: st.DataObject) -> None:
         req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
         layer = data.draw(st.integers(0, self.config.kv.num_layers - 1), label="layer_id")
@@ -566,6 +493,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.CPU_COPY) and self.reqs and self.pending is None)
     @rule(data=st.data())
+    @recorded
     def get_cpu_copy(self, data: st.DataObject) -> None:
         """Retract: copy a request's KV to the CPU, then free it (§1.6)."""
         req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
@@ -574,13 +502,14 @@ class SWAAllocatorMachine(LockstepMachine):
                         lambda: (self.ref, ref.get_cpu_copy(self.ref, req.slots)),
                         lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
         if out:
-            self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
-            self._release("free", req, req.slots)
-            self.reqs.pop(req.rid)
+            if self._free_request(req):  # retracted only once its slots are released
+                self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
+                self.reqs.pop(req.rid)
 
     @precondition(lambda self: self._has(C.CPU_COPY) and self.retracted and any(
         self._has(c) for c in (C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)))
     @rule(data=st.data())
+    @recorded
     def load_cpu_copy(self, data: st.DataObject) -> None:
         """Resume: allocate the same positions again (tail or 1:1), then load the CPU copy (§2.8)."""
         index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
@@ -613,6 +542,7 @@ class SWAAllocatorMachine(LockstepMachine):
 
     @precondition(lambda self: self._has(C.REJECTS_MISUSE))
     @rule(data=st.data())
+    @recorded
     def misuse(self, data: st.DataObject) -> None:
         """A call that violates one documented precondition: both sides must raise InvalidOperation."""
         cases = [name for name, (applies, _) in MISUSE_CASES.items() if applies(self)]
@@ -627,7 +557,7 @@ def _has_free_page(machine: SWAAllocatorMachine) -> bool:
 def _double_free(op: str) -> Callable[[SWAAllocatorMachine, st.DataObject], None]:
     def run(self: SWAAllocatorMachine, data: st.DataObject) -> None:
         p = self.p
-        ref_slot, impl_slot = self.ref.full.free_pages[0] * p, self.impl.snapshot().full.free_pages[0] * p
+        ref_slot, impl_slot = self.ref.full.free_pages[0] * p, self._snapshot().full.free_pages[0] * p
         fn = {"free": (ref.free, self.impl.free), "free_swa": (ref.free_swa, self.impl.free_swa)}[op]
         self._misuse(op, f"free_index=[{ref_slot}] (a free page: double free)",
                      lambda: (fn[0](self.ref, [ref_slot]), None), lambda: fn[1](self._t([impl_slot])))
@@ -728,7 +658,7 @@ def _remap_foreign(self: SWAAllocatorMachine, data: st.DataObject) -> None:
     m = self.ref.full_to_swa_index_mapping
     mine, theirs = data.draw(st.sampled_from(_two_mapped(self)), label="requests")
     f, s = mine.slots[-1], theirs.slots[-1]
-    impl_m = self.impl.snapshot().full_to_swa_index_mapping
+    impl_m = self._snapshot().full_to_swa_index_mapping
     self._misuse("set_full_to_swa_mapping", f"request {mine.rid}'s slot to request {theirs.rid}'s SWA slot",
                  lambda: (ref.set_full_to_swa_mapping(self.ref, [f], [m[s]]), None),
                  lambda: self.impl.set_full_to_swa_mapping(self._t([self.names.impl_slot(f)]),

@@ -27,10 +27,11 @@ class PoolError(Exception):
 class OutOfMemory(PoolError):
     """A pool has fewer free pages than the operation needs; state unchanged."""
 
-    def __init__(self, op: str, pool: str, pages_needed: int, pages_free: int) -> None:
-        self.op, self.pool = op, pool
+    def __init__(self, op: str, pool: str, pages_needed: int, pages_free: int, *, request: int | None = None) -> None:
+        self.op, self.pool, self.request = op, pool, request
         self.pages_needed, self.pages_free = pages_needed, pages_free
-        super().__init__(f"{op}: {pool} pool needs {pages_needed} page(s), {pages_free} free")
+        who = "" if request is None else f" for request {request}"
+        super().__init__(f"{op}: {pool} pool needs {pages_needed} page(s){who}, {pages_free} free")
 
 
 class InvalidOperation(PoolError, ValueError):

@@ -19,7 +19,13 @@ allocator, §1.5 composite allocator, §2.3/§2.7/§2.8 PD decode tail prealloca
 * :mod:`.decode_prealloc` (component ``decode_prealloc``) — the PD decode node's
   preallocation budgets and gates: D1 (admitted => ``_pre_alloc`` succeeds) proved for
   the corrected policy, refuted for the upstream one (S2), which of rounding and
-  recomputation it needs, and D3 residency / resume-tail lemmas (§2, §7 D1-D3, §9 S2).
+  recomputation it needs, and D3 residency / resume-tail lemmas (§2, §7 D1-D3, §9 S2);
+* :mod:`.hisparse_host` (component ``hisparse_host``) — the HiSparse paged host pool of
+  PR #23606: ``alloc_paged_token_slots`` keeps rows whole aligned pages (H1), covers the
+  request, takes ``ceil((end - a)/P)`` pages, gives distinct in-page slots, reserves no
+  page without a requested position under ``start <= a`` (H4), fits the ``+ P`` row
+  width; release restores the pool (H2); eager backups never leave a hole (induction);
+  S7's numbers (§4, §4.6 H0-H4, §9 S7).
 
 Each family module exports ``OBLIGATIONS``; this package concatenates them in a
 stable order. :func:`run` checks one obligation with a fresh solver.
@@ -30,12 +36,12 @@ from __future__ import annotations
 from collections import Counter
 from fnmatch import fnmatchcase
 
-from kvproof.spec import decode_prealloc, loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
+from kvproof.spec import decode_prealloc, hisparse_host, loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
 from kvproof.spec._solver import Obligation, Result, run
 
 __all__ = ["Obligation", "Result", "run", "OBLIGATIONS", "FAMILY_MODULES", "obligations"]
 
-FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache, decode_prealloc)
+FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache, decode_prealloc, hisparse_host)
 
 OBLIGATIONS: tuple[Obligation, ...] = tuple(ob for module in FAMILY_MODULES for ob in module.OBLIGATIONS)
 

@@ -44,3 +44,15 @@ def test_conform_runtime_one_config() -> None:
     result = run("conform", "--config", "P4-W2-F32-S16", "--profile", "dev")
     assert result.exit_code == 0, result.output
     assert "swa_allocator P4-W2-F32-S16: pass" in result.output and "loc_cache P4-W2-F32-S16: pass" in result.output
+
+
+def test_conform_hisparse_host_default_runtime_and_a_mutant() -> None:
+    """Each component has its own configs and default implementation; --impl replaces it."""
+    ok = run("conform", "--component", "hisparse_host", "--config", "P4-H8-R4-C14", "--profile", "ci")
+    assert ok.exit_code == 0, ok.output
+    assert "hisparse_host P4-H8-R4-C14: pass" in ok.output
+    bad = run("conform", "--component", "hisparse_host", "--config", "P4-H8-R4-C14", "--profile", "ci",
+              "--impl", "kvproof.conformance.mutants.hisparse_host:ReleaseReversed")
+    assert bad.exit_code == 1
+    assert ("replay: kvproof conform --component hisparse_host --impl "
+            "kvproof.conformance.mutants.hisparse_host:ReleaseReversed --config P4-H8-R4-C14") in bad.output

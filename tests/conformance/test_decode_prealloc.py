@@ -52,3 +52,18 @@ def test_upstream_policy_crashes_and_shrinks() -> None:
     assert "D1 violated in" in failure and "OutOfMemory" in failure, failure
     steps = re.findall(r"^\s+\d+\. (\w+)\(", failure.split("operations so far:")[1].split("\n\n")[0], flags=re.M)
     assert steps[-1] in ("pop_preallocated", "resume_retracted_reqs") and len(steps) <= 8, steps
+
+
+def test_rules_an_allocator_cannot_serve_are_not_applicable_and_not_run() -> None:
+    """Needs follow the page size (P == 1 preallocates with alloc); undeclared needs are reported, never run."""
+    from kvproof.conformance.decode_prealloc import allocating_needs
+    from kvproof.conformance.protocol import Capability
+
+    class NoDecode(SWATokenToKVPoolAllocator):
+        capabilities = frozenset(Capability) - {Capability.ALLOC_DECODE}
+
+    assert Capability.ALLOC in allocating_needs(CONFORMANCE_CONFIGS[0])
+    assert Capability.ALLOC not in allocating_needs(CONFORMANCE_CONFIGS[2])
+    report = run_check("decode_prealloc", NoDecode, CONFORMANCE_CONFIGS[2], profile="dev", failures_dir=None)
+    assert report.passed and {"pop_preallocated", "decode", "retract"} <= set(report.not_applicable)
+    assert not any(report.rules.get(r) for r in ("pop_preallocated", "decode", "retract", "resume_retracted_reqs"))

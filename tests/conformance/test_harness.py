@@ -54,3 +54,30 @@ def test_failures_are_saved(tmp_path) -> None:
 def test_check_raises_conformance_failure() -> None:
     with pytest.raises(ConformanceFailure, match="relabelled"):
         check_swa_allocator(RelabelledClaimingExactOrder, CONFORMANCE_CONFIGS[1], profile="dev", impl_name="relabelled")
+
+
+def test_free_of_released_positions_is_split_without_the_capability() -> None:
+    """Without FREE_RELEASED_SWA the harness frees such requests as free_swa(still mapped) + free_full."""
+    from kvproof.conformance.check import check
+    from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+    from kvproof.conformance.protocol import Capability
+    from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+
+    class Strict(SWATokenToKVPoolAllocator):
+        capabilities = frozenset(Capability) - {Capability.FREE_RELEASED_SWA, Capability.REJECTS_MISUSE}
+
+        def _mapped_only(self, op, free_index):  # type: ignore[no-untyped-def]
+            mapping = self.snapshot().full_to_swa_index_mapping
+            assert all(mapping[int(s)] > 0 for s in free_index), f"{op} of a slot whose SWA side is released"
+
+        def free(self, free_index):  # type: ignore[no-untyped-def]
+            self._mapped_only("free", free_index)
+            return super().free(free_index)
+
+        def free_swa(self, free_index):  # type: ignore[no-untyped-def]
+            self._mapped_only("free_swa", free_index)
+            return super().free_swa(free_index)
+
+    for config in CONFORMANCE_CONFIGS[:3]:
+        report = check("swa_allocator", Strict, config, profile="ci", impl_name="strict")
+        assert report.rules["free_full"] > 0 and report.rules["free"] > 0

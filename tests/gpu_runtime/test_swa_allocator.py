@@ -135,7 +135,7 @@ def test_stale_entries_on_never_handed_out_slots_are_not_released(device: str) -
 
 def test_restore_of_a_newer_backup_after_a_restore_is_rejected(device: str) -> None:
     """Backup B1, allocate, backup B2, restore B1: B2 is stale (restoring it would resurrect pages)."""
-    a, s, d = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4), device
+    a, s = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4)
     b1, r1 = a.backup_state(), R.backup_state(s)
     extend(a, [0], [4], [-1])
     s, _ = R.alloc_extend(s, [0], [4], [-1], 4)

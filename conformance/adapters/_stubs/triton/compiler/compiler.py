@@ -1,0 +1,1 @@
+"""Stand-in ``triton.compiler.compiler`` (torch imports the module; no AttrsDescriptor)."""

@@ -1,0 +1,1 @@
+"""Stand-in ``triton.language.math`` (torch aliases it as ``libdevice``; nothing is called)."""
