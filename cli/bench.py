@@ -8,9 +8,13 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   ``free`` pairs per second at page size 1 and 4, on the runtime's default device,
   and the same pairs on the pure-Python reference over the same 16k-token pool;
 * harness overhead = (time of one lockstep step) / (time of one bare runtime op),
-  where a bare op is half of an alloc_extend+free pair at page size 4;
+  where a bare op is half of an alloc_extend+free pair at page size 4; and the price
+  of the per-operation timeout (steps/s calling the implementation directly vs through
+  the watchdog thread);
 * ``loc_cache``: the cost of ``translate_loc_from_full_to_swa`` on a cache hit and on a
   miss (invalidate + gather), for 64 and 4096 slots;
+* with SGLang installed (``make sglang``): ``alloc``/``alloc_extend`` + ``free`` ops/s of
+  kvproof's runtime and of SGLang 0.5.23's allocator on the same sequence, P = 1 and 4;
 * ``hisparse_host``: tokens/s of the per-step eager backup (a batch of running requests,
   P_h = 64, pages opened as positions cross page boundaries) on the runtime in one
   vectorised call per step, on the runtime one request per call, and on the reference.
@@ -26,7 +30,7 @@ from hypothesis import settings
 from rich.console import Console
 from rich.table import Table
 
-from kvproof.conformance.check import run_swa_allocator_check
+from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.profiles import get_profile
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
@@ -76,13 +80,17 @@ def reference_pairs_per_second(page_size: int, pairs: int) -> float:
     return pairs / (time.perf_counter() - start)
 
 
-def lockstep_steps_per_second(examples: int) -> tuple[float, int]:
-    """Checked lockstep steps per second against the runtime, over all conformance configs."""
+def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> tuple[float, int]:
+    """Checked lockstep steps per second against the runtime, over all conformance configs.
+
+    ``op_timeout=None`` calls the implementation directly (no watchdog thread): the
+    difference is the price of the per-operation timeout.
+    """
     profile = settings(get_profile("ci"), max_examples=examples)
     steps, seconds = 0, 0.0
     for cfg in CONFORMANCE_CONFIGS:
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
-                                         failures_dir=None)
+                                         failures_dir=None, op_timeout=op_timeout)
         if not report.passed:
             raise RuntimeError(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
@@ -189,6 +197,20 @@ def host_backup_tokens_per_second(kind: str, batch: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - start)
 
 
+def _sglang_rows(rows: dict[str, str], quick: bool) -> str:
+    """kvproof's runtime vs SGLang 0.5.23's allocator on one operation sequence (when SGLang is installed)."""
+    from kvproof.conformance.adapters.sglang import sglang_available
+
+    if not sglang_available():
+        return "SGLang not installed here: the side-by-side rows are not measured (make sglang; .venv-sglang/bin/kvproof bench)"
+    from kvproof.conformance.adapters.bench_sglang import side_by_side
+
+    for r in side_by_side(page_sizes=(1, 4), ops=2000 if quick else 10_000, repeat=1 if quick else 3):
+        rows[f"{r['op']}+free ops/s, P={r['page_size']}: kvproof runtime / SGLang 0.5.23"] = (
+            f"{r['kvproof_ops_per_s']:,.0f} / {r['sglang_ops_per_s']:,.0f} = {r['ratio']:.2f}x")
+    return ""
+
+
 def _sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -200,6 +222,7 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
     steps_per_s, steps = lockstep_steps_per_second(examples)
+    direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
     hit64, miss64 = translate_cost_us(64, pairs)
     hit4k, miss4k = translate_cost_us(4096, pairs)
     host_steps = 30 if quick else 200
@@ -218,6 +241,7 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
         "runtime / reference speed, P=4": f"{p4 / r4:.1f}x",
         f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
+        "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
         "loc_cache translate, 64 slots: hit / miss (us)": f"{hit64:.2f} / {miss64:.2f}",
         "loc_cache translate, 4096 slots: hit / miss (us)": f"{hit4k:.2f} / {miss4k:.2f}",
         "loc_cache miss / hit, 4096 slots": f"{miss4k / hit4k:.1f}x",
@@ -225,10 +249,14 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
         "hisparse_host backup: batched / one request per call (runtime)": f"{host_vec / host_one:.1f}x",
         "hisparse_host backup: runtime batched / reference": f"{host_vec / host_ref:.1f}x",
     }
+    sglang_note = _sglang_rows(rows, quick)
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)
+    if sglang_note:
+        console.print(sglang_note)
     console.print(capacity_table())
     return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
+            "watchdog_cost": direct_steps_per_s / steps_per_s,
             "translate_hit_us": hit4k, "translate_miss_us": miss4k, "host_backup_tokens_per_s": host_vec,
             "host_backup_batched_vs_one": host_vec / host_one, "host_backup_vs_reference": host_vec / host_ref}

@@ -64,7 +64,7 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
                           + (f" --seed {used_seed}" if isinstance(used_seed, int) else ""))
                 report = run_check(suite.component, make, cfg, profile=profile, impl_name=spec, replay=replay,
                                    op_timeout=op_timeout, **options)
-                versions.add(impl_version(None, make))
+                versions.add(report.impl_version or impl_version(None, make))
                 status = "passed" if report.passed else "failed"
                 if chosen:  # an expected failure
                     status = "xpassed" if report.passed else "xfailed"

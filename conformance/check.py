@@ -106,6 +106,7 @@ class CheckReport:
     failure_file: str | None = None
     never_run: tuple[str, ...] = field(default=())
     vector: dict[str, Any] | None = None  # the failing example, replayable (kvproof replay)
+    impl_version: str = ""  # the implementation's declared ``version`` attribute, if any
 
     @property
     def passed(self) -> bool:
@@ -153,7 +154,9 @@ def run_check(component: str, factory: Callable[[Any], Any], config: AnyConfig, 
     hint = f"replay: {replay}" if replay else ""
     start = time.perf_counter()
     try:
-        caps = frozenset(factory(config).capabilities)
+        probe = factory(config)
+        caps = frozenset(probe.capabilities)
+        declared_version = str(getattr(probe, "version", "") or "")
     except Exception as err:  # noqa: BLE001 - a factory that cannot build is a verdict, not a crash
         failure = f"the factory could not build an implementation for {config.label()}: {type(err).__name__}: {err}"
         return CheckReport(component, impl_name, config, frozenset(), (), {}, {}, 0, 0,
@@ -177,7 +180,8 @@ def run_check(component: str, factory: Callable[[Any], Any], config: AnyConfig, 
     ran = {name for name, count in stats.rules.items() if count}
     never = tuple(r for r in suite.rules_for(config) if r not in na and r != "misuse" and r not in ran)
     return CheckReport(component, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes),
-                       stats.steps, stats.examples, time.perf_counter() - start, failure, saved, never, vector)
+                       stats.steps, stats.examples, time.perf_counter() - start, failure, saved, never, vector,
+                       declared_version)
 
 
 def make_vector(component: str, config: AnyConfig, impl_name: str, machine_options: dict[str, Any],

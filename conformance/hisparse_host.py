@@ -39,7 +39,7 @@ from kvproof.conformance.protocol import Capability, HostPoolFactory, HostPoolUn
 from kvproof.conformance.vector import recorded
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.arith import ceil_p
-from kvproof.reference.errors import InvariantViolation
+from kvproof.reference.errors import InvariantViolation, OutOfMemory
 
 __all__ = ["HostPoolMachine", "RULE_CAPABILITIES", "HOST_CONFIGS", "MISUSE_CASES", "machine_for"]
 
@@ -153,6 +153,8 @@ class HostPoolMachine(LockstepCore):
     def eager_backup_previous_token(self, data: st.DataObject) -> None:
         """One decode step of a batch: back up each request's previous token, then each decodes one more."""
         batch = data.draw(st.lists(st.sampled_from(self._backupable()), min_size=1, unique=True), label="batch")
+        if not self._has(C.ATOMIC_BACKUP_BATCH):
+            batch = self._cut_short_batch(batch)
         seqs = [self.running[r].seq_len for r in batch]
         values = self._values(len(batch))
         args = ", ".join(f"slot {r}: seq_len {s}" for r, s in zip(batch, seqs, strict=True))
@@ -172,6 +174,25 @@ class HostPoolMachine(LockstepCore):
             if got != want:
                 self._fail(f"eager_backup_previous_token returned host slots {got} for (slot, position) {kept}, "
                            f"the rows hold {want} there")
+
+    def _cut_short_batch(self, batch: list[int]) -> list[int]:
+        """Without ``ATOMIC_BACKUP_BATCH``: a batch the reference refuses for want of pages becomes one both
+        sides handle alike (upstream serves requests in order and raises at the first short one, §4.8):
+        the longest prefix the reference accepts, or, with no page free, the first request that opens one."""
+        def fits(part: list[int]) -> bool:
+            try:
+                hh.eager_backup_previous_token(self.ref, part, [self.running[r].seq_len for r in part], [0] * len(part))
+            except OutOfMemory:
+                return False
+            return True
+
+        if fits(batch):
+            return batch
+        self.stats.rules["eager_backup_previous_token:batch_cut"] += 1
+        prefix = next((batch[:n] for n in range(len(batch) - 1, 0, -1) if fits(batch[:n])), [])
+        if prefix:
+            return prefix
+        return next([r] for r in batch if not fits([r]))
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())

@@ -45,6 +45,9 @@ class Capability(str, enum.Enum):
     # free / free_swa accept slots whose SWA side is already released (M == 0) and skip them (SGLang at P > 1);
     # without it the harness frees such requests as free_swa(still mapped) + free_full(all)
     FREE_RELEASED_SWA = "free_released_swa"
+    # hisparse_host: a backup batch the host pool cannot serve raises OutOfMemory having taken no page and
+    # cleared no skip flag (kvproof); without it the harness cuts such batches to what either side serves alike
+    ATOMIC_BACKUP_BATCH = "atomic_backup_batch"
     BACKUP_RESTORE = "backup_restore"  # backup_state / restore_state (gone in SGLang 0.5.23)
     CPU_COPY = "cpu_copy"  # get_cpu_copy / load_cpu_copy with swa_mask
     KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer

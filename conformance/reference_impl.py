@@ -153,7 +153,7 @@ class ReferenceAllocator:
 class ReferenceHostPool:
     """Component ``hisparse_host``: the pure reference (any coordinator) behind ``HostPoolUnderTest``."""
 
-    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER})
+    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
     device = torch.device("cpu")
 
     def __init__(self, config: hh.HostPoolConfig) -> None:

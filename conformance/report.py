@@ -173,6 +173,7 @@ def write_json(path: str | Path, outcomes: list[Outcome], info: RunInfo) -> None
            "implementation": {"name": info.impl, "version": info.impl_version},
            "seed": info.seed, "profile": info.profile, "summary": _summary(outcomes),
            "warnings": list(info.warnings), "results": [_result(o) for o in outcomes]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1))
 
 
@@ -204,4 +205,5 @@ def write_junit(path: str | Path, outcomes: list[Outcome], info: RunInfo) -> Non
             failure.text = text + (f"\n\nreplayable vector:\n{vector}" if vector else "")
     if info.warnings:
         ET.SubElement(suite, "system-err").text = "\n".join(info.warnings)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)

@@ -50,7 +50,7 @@ def _require(condition: bool, op: str, argument: str, message: str) -> None:
 class HiSparseHostPool:
     """The host pool, its request table and the coordinator's staging / backup / release."""
 
-    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER})
+    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
 
     def __init__(self, config: HostPoolConfig, device: torch.device | str | None = None) -> None:
         if config.coordinator is not Coordinator.PAGED:

@@ -207,6 +207,7 @@ class SGLangSWAAllocator:
 
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         self.sglang = load_sglang()
+        self.version = f"sglang {self.sglang.version}"  # reported as the implementation's version
         self.config, self.device, self.page_size = config, device, config.page_size
         self.capabilities = capabilities_for(config.page_size)
         geo = config.kv

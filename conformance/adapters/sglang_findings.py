@@ -1,8 +1,9 @@
 """What the lockstep suite finds in SGLang 0.5.23, each with a reproduction in SGLang's own terms.
 
 Written up in ``docs/sglang-findings.md``. :data:`FINDINGS` lists every divergence
-the ``swa_allocator`` suite reports against
-``kvproof.conformance.adapters.sglang:SGLangSWAAllocator``; :func:`classify` maps a
+the suites report against ``kvproof.conformance.adapters.sglang:SGLangSWAAllocator``
+(``swa_allocator``, ``loc_cache``, ``decode_prealloc``) and
+``kvproof.conformance.adapters.sglang_host:SGLangHostPool`` (``hisparse_host``); :func:`classify` maps a
 failure message to its finding (``None``: an unexplained divergence, which is new).
 The ``reproduce_*`` functions build SGLang's classes directly (no kvproof adapter in
 the loop) and return what they observed; ``tests/adapters/test_sglang.py`` asserts
@@ -17,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FINDINGS", "Finding", "classify", "reproduce_alloc_decode_leak", "reproduce_p1_free_released_swa"]
+__all__ = [
+    "FINDINGS",
+    "Finding",
+    "classify",
+    "reproduce_alloc_decode_leak",
+    "reproduce_host_backup_not_atomic",
+    "reproduce_p1_free_released_swa",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,13 @@ FINDINGS: tuple[Finding, ...] = (
              r"swa pool: implementation free list contains the reserved page 0",
              r"free(_swa)? crashed with AssertionError",
              r"swa pool: implementation free list has a duplicate page")),
+    # hisparse_host (adapters.sglang_host:SGLangHostPool)
+    Finding("F3", "hisparse_host: the eager backup of a decode batch is not failure-atomic: a short host pool "
+                  "raises after earlier requests took pages and after every skip-first-backup flag of the batch "
+                  "was consumed (documented difference: upstream's RuntimeError is fatal)", "model-gap",
+            (r"eager_backup_previous_token failed with OutOfMemory but changed the allocator",
+             r"eager_backup_previous_token: .*SGLang did not roll back",
+             r"eager_backup_previous_token returned \d+ indices, the reference returned \d+")),
 )
 
 
@@ -90,3 +105,53 @@ def reproduce_p1_free_released_swa() -> dict[str, Any]:
     req_c = b.alloc(7)  # takes every free SWA slot, slot 0 last
     return {"swa_free_pages": swa_free, "swa_available": b.swa_available_size(), "size_swa": b.size_swa,
             "c_swa_slots": [int(x) for x in b.translate_loc_from_full_to_swa(req_c).tolist()]}
+
+
+def _sglang_host_pool(num_pages: int, page_size: int) -> Any:
+    """SGLang's ``MLATokenToKVPoolHost`` (``HiSparseHostPoolMixin``) with exactly ``num_pages`` pages, on CPU."""
+    from kvproof.conformance.adapters.sglang_host import HOST_BUDGET_BYTES, load_sglang_host
+
+    sg = load_sglang_host()
+    capacity = (num_pages - 1) * page_size  # HostKVCache adds one page: page_num = capacity // P + 1
+    dev = sg.MLATokenToKVPool(size=capacity, page_size=page_size, dtype=torch.int64, kv_lora_rank=1,
+                              qk_rope_head_dim=0, layer_num=1, device="cpu", enable_memory_saver=False)
+    with sg.host_memory_budget_scope(HOST_BUDGET_BYTES):
+        return sg.MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=1.0,
+                                       host_size=0, page_size=page_size, layout="layer_first", pin_memory=False,
+                                       device="cpu", device_capacity_tokens=capacity, start_layer=dev.start_layer,
+                                       end_layer=dev.end_layer, target_layer_num=dev.layer_num)
+
+
+def reproduce_host_backup_not_atomic() -> dict[str, Any]:
+    """F3: ``HiSparseCoordinator._eager_backup_previous_token``'s host calls on a pool one page short.
+
+    P = 2, 5 host pages. A (slot 0) staged 2 tokens, B (slot 1) 4 tokens, C (slot 2)
+    1 token and just admitted (flagged). One free page. The decode batch [C, A, B]
+    (seq_lens 2, 4, 6): the coordinator's first loop consumes C's flag; its second
+    loop calls ``alloc_paged_token_slots(.., r, seq_len - 2, 1)`` per kept request in
+    batch order: A's position 2 takes the last page, B's position 4 raises.
+    """
+    p = 2
+    host = _sglang_host_pool(num_pages=5, page_size=p)
+    table = torch.full((3, 8 + p), -1, dtype=torch.int64)  # req_to_host_pool (max_context_len 8)
+    alloc_len = torch.zeros(3, dtype=torch.int64)  # req_to_host_pool_allocated_len
+    skip = [False, False, False]  # _skip_first_backup
+    for r, n in ((0, 2), (1, 4), (2, 1)):  # admit_request_into_staging: alloc_paged_token_slots(.., r, 0, n)
+        host.alloc_paged_token_slots(table, alloc_len, r, 0, n)
+    skip[2] = True  # collect_ready_reqs: C's staging copy completed
+    free_before = host.available_size()  # 2 slots: one page
+    batch, seq_lens = [2, 0, 1], [2, 4, 6]
+    backup = []
+    for i, r in enumerate(batch):  # _eager_backup_previous_token, loop 1 (compress ratio 1)
+        if skip[r]:
+            skip[r] = False
+            continue
+        backup.append(i)
+    error = None
+    try:
+        for i in backup:  # loop 2: one alloc_paged_token_slots per kept request, no pre-check
+            host.alloc_paged_token_slots(table, alloc_len, batch[i], seq_lens[i] - 2, 1)
+    except RuntimeError as err:
+        error = str(err)
+    return {"error": error, "free_before": free_before, "free_after": host.available_size(),
+            "allocated_len": [int(x) for x in alloc_len.tolist()], "skip_first_backup": skip}
