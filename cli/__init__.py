@@ -67,9 +67,9 @@ POLICY = click.option("--policy", default="corrected", show_default=True, type=c
 
 
 @main.command()
-@click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY", envvar="KVPROOF_IMPL",
-              help="Implementation factory (config -> implementation); also $KVPROOF_IMPL. "
-                   "Default: kvproof's torch runtime of each component.")
+@click.option("--impl", "impl_specs", multiple=True, metavar="MODULE:FACTORY", envvar="KVPROOF_IMPL",
+              help="Implementation factory (config -> implementation); repeatable, each serving the components "
+                   "it declares; also $KVPROOF_IMPL (space-separated). Default: kvproof's torch runtime.")
 @PROFILE
 @CONFIG
 @COMPONENT
@@ -83,32 +83,36 @@ POLICY = click.option("--policy", default="corrected", show_default=True, type=c
 @click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here.")
 @click.option("--op-timeout", type=float, default=60.0, show_default=True,
               help="Seconds one implementation call may take before it counts as hung.")
-def conform(impl_spec: str | None, profile: str, configs: tuple[str, ...], components: tuple[str, ...],
+def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             policy: str, seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
             junit_xml: str | None, op_timeout: float) -> None:
     """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc, hisparse_host)."""
-    from kvproof.cli.conform import conform_outcomes, conform_table
+    from kvproof.cli.conform import conform_outcomes, conform_table, declared_components
     from kvproof.cli.impl import load_factory
     from kvproof.conformance.report import load_selection, write_json, write_junit
 
     console = _console()
-    factory = None
-    if impl_spec is not None:
+    impls = []
+    for spec in impl_specs:
         try:
-            factory = load_factory(impl_spec)
+            impls.append((spec, load_factory(spec)))
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--impl") from err
+    if impls and not components:  # the components the given implementations declare (all if one declares none)
+        declared = [declared_components(f) for _, f in impls]
+        wanted = set(COMPONENTS) if None in declared else {c for d in declared for c in d or ()}
+        components = tuple(c for c in COMPONENTS if c in wanted)
     try:
         selection = load_selection(skip_file, xfail_file)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--skip-file/--xfail-file") from err
     try:
-        outcomes, info = conform_outcomes(factory, impl_spec, profile, configs,
+        outcomes, info = conform_outcomes(None, None, profile, configs,
                                           on_report=lambda r: _report_progress(console, r),
                                           components=components or COMPONENTS, policy=policy, selection=selection,
-                                          seed=seed, op_timeout=op_timeout)
+                                          seed=seed, op_timeout=op_timeout, impls=impls)
     except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--config") from err
+        raise click.BadParameter(str(err), param_hint="--config/--impl") from err
     reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
     _print_reports(console, reports)

@@ -18,7 +18,7 @@ from kvproof.conformance.check import (
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, forced_seed, impl_version
 
-__all__ = ["conform", "conform_outcomes", "conform_table", "run_mutants", "mutants_table"]
+__all__ = ["conform", "conform_outcomes", "conform_table", "run_mutants", "mutants_table", "declared_components"]
 
 
 def conform(factory: Callable | None, impl_spec: str | None, profile: str, labels: Sequence[str] = (),
@@ -33,12 +33,16 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
                      on_report: Callable[[CheckReport], None] | None = None,
                      components: Sequence[str] = ("swa_allocator",), policy: str = "corrected", *,
                      selection: Selection | None = None, seed: int | None = None,
-                     op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> tuple[list[Outcome], RunInfo]:
+                     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+                     impls: Sequence[tuple[str, Callable]] = ()) -> tuple[list[Outcome], RunInfo]:
     """Run the suites against ``factory`` (or each suite's default) and classify every test.
 
     A label that names no config of any selected component is an error (``ValueError``
     listing the labels), never a silent no-op. ``selection`` skips or expects failures
-    (entries matching nothing are warnings in the returned :class:`RunInfo`).
+    (entries matching nothing are warnings in the returned :class:`RunInfo`). ``impls``
+    (``(spec, factory)`` pairs) serve the components their factories declare in
+    ``components`` (an undeclared factory serves any); a component no given factory
+    serves is an error.
     """
     suites = [get_suite(c) for c in components]
     known = {cfg.label() for suite in suites for cfg in suite.configs}
@@ -48,10 +52,12 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
     selection = selection or Selection()
     outcomes: list[Outcome] = []
     versions: set[str] = set()
+    given = list(impls) or ([(impl_spec or "impl", factory)] if factory is not None else [])
     with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
         for suite in suites:
-            spec = impl_spec or suite.default_impl
-            make = factory if factory is not None else load_factory(spec)
+            spec, make = _impl_for(suite.component, given)
+            if make is None:
+                spec, make = impl_spec or suite.default_impl, load_factory(impl_spec or suite.default_impl)
             options = _options(suite.component, policy)
             for cfg in (c for c in suite.configs if not labels or c.label() in labels):
                 test_id = f"{suite.component}/{cfg.label()}"
@@ -71,10 +77,30 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
                 outcomes.append(Outcome(suite.component, cfg.label(), status, chosen[1] if chosen else "", report))
                 if on_report:
                     on_report(report)
-    spec_names = impl_spec or ", ".join(get_suite(c).default_impl for c in components)
+    spec_names = ", ".join(spec for spec, _ in given) or ", ".join(get_suite(c).default_impl for c in components)
     info = RunInfo(spec_names, "; ".join(sorted(versions)) or "unknown", used_seed, profile,
                    tuple(selection.unmatched()))
     return outcomes, info
+
+
+def declared_components(factory: Callable) -> tuple[str, ...] | None:
+    """The suites a factory declares it serves (``components``), or ``None`` if it declares none."""
+    declared = getattr(factory, "components", None)
+    return tuple(declared) if declared is not None else None
+
+
+def _impl_for(component: str, given: list[tuple[str, Callable]]) -> tuple[str, Callable | None]:
+    """The given implementation for ``component``: one declaring it, else one declaring nothing."""
+    if not given:
+        return "", None
+    for spec, factory in given:
+        if component in (declared_components(factory) or ()):
+            return spec, factory
+    for spec, factory in given:
+        if declared_components(factory) is None:
+            return spec, factory
+    raise ValueError(f"no --impl serves component {component!r}; they declare "
+                     f"{ {spec: declared_components(f) for spec, f in given} }")
 
 
 def _options(component: str, policy: str) -> dict[str, object]:

@@ -29,8 +29,9 @@ __all__ = ["pytest_addoption", "pytest_generate_tests", "kvproof_factory", "kvpr
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvproof", "kvproof conformance suites")
-    group.addoption("--kvproof-impl", default=None, metavar="MODULE:FACTORY",
-                    help="implementation factory (default: $KVPROOF_IMPL, else each component's torch runtime)")
+    group.addoption("--kvproof-impl", action="append", default=None, metavar="MODULE:FACTORY",
+                    help="implementation factory, repeatable: each serves the components it declares "
+                         "(default: $KVPROOF_IMPL, space-separated, else each component's torch runtime)")
     group.addoption("--kvproof-component", action="append", default=None, choices=list(COMPONENTS),
                     help="component suite to run; repeatable (default: all)")
     group.addoption("--kvproof-profile", default="ci", help="Hypothesis profile: ci, nightly, dev, smoke")
@@ -38,8 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
 
 
-def _impl_spec(config: pytest.Config) -> str | None:
-    return config.getoption("kvproof_impl") or os.environ.get("KVPROOF_IMPL") or None
+def _impl_specs(config: pytest.Config) -> list[str]:
+    return list(config.getoption("kvproof_impl") or os.environ.get("KVPROOF_IMPL", "").split())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,10 +70,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def kvproof_factory(request: pytest.FixtureRequest, kvproof_case: tuple[str, Any]) -> Any:
     """The implementation factory: ``--kvproof-impl`` / ``$KVPROOF_IMPL``, else the component's default."""
+    from kvproof.cli.conform import _impl_for
     from kvproof.cli.impl import load_factory
     from kvproof.conformance.check import get_suite
 
-    return load_factory(_impl_spec(request.config) or get_suite(kvproof_case[0]).default_impl)
+    given = [(spec, load_factory(spec)) for spec in _impl_specs(request.config)]
+    return _impl_for(kvproof_case[0], given)[1] or load_factory(get_suite(kvproof_case[0]).default_impl)
 
 
 @pytest.fixture

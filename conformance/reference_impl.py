@@ -56,6 +56,7 @@ class ReferenceAllocator:
     """Every operation delegates to the pure reference; failures raise the reference's errors."""
 
     capabilities = frozenset(Capability)
+    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
     device = "cpu"
 
     def __init__(self, config: PoolConfig) -> None:
@@ -154,6 +155,7 @@ class ReferenceHostPool:
     """Component ``hisparse_host``: the pure reference (any coordinator) behind ``HostPoolUnderTest``."""
 
     capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
+    components = ("hisparse_host",)  # the suites it serves
     device = torch.device("cpu")
 
     def __init__(self, config: hh.HostPoolConfig) -> None:

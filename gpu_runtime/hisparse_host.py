@@ -51,6 +51,7 @@ class HiSparseHostPool:
     """The host pool, its request table and the coordinator's staging / backup / release."""
 
     capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
+    components = ("hisparse_host",)  # the suites it serves
 
     def __init__(self, config: HostPoolConfig, device: torch.device | str | None = None) -> None:
         if config.coordinator is not Coordinator.PAGED:

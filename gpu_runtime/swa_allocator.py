@@ -83,6 +83,7 @@ class SWATokenToKVPoolAllocator:
     pool_class: type[PagedTokenToKVPoolAllocator] = PagedTokenToKVPoolAllocator
     kv_pool_class: type[SWAKVPool] = SWAKVPool
     capabilities: frozenset[Capability] = frozenset(Capability)
+    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
     #: the loc-cache invalidation points this allocator, its runners and its pool honour
     #: (all: upstream after #26152); a mutant drops one
     invalidate_at: ClassVar[frozenset[InvalidationPoint]] = UPSTREAM_POINTS

@@ -56,3 +56,17 @@ def test_conform_hisparse_host_default_runtime_and_a_mutant() -> None:
     assert bad.exit_code == 1
     assert ("replay: kvproof conform --component hisparse_host --impl "
             "kvproof.conformance.mutants.hisparse_host:ReleaseReversed --config P4-H8-R4-C14") in bad.output
+
+
+def test_several_implementations_each_serve_the_components_they_declare() -> None:
+    """--impl is repeatable; without --component the declared components of the given factories run."""
+    result = run("conform", "--profile", "dev", "--config", "P4-W6-F48-S24", "--config", "P4-H8-R4-C14",
+                 "--impl", "kvproof.gpu_runtime.swa_allocator:SWATokenToKVPoolAllocator",
+                 "--impl", "kvproof.conformance.mutants.hisparse_host:ReleaseReversed")
+    assert result.exit_code == 1, result.output
+    for line in ("swa_allocator P4-W6-F48-S24: pass", "loc_cache P4-W6-F48-S24: pass",
+                 "decode_prealloc P4-W6-F48-S24: pass", "hisparse_host P4-H8-R4-C14: FAIL"):
+        assert line in result.output
+    only_host = run("conform", "--profile", "dev", "--component", "swa_allocator",
+                    "--impl", "kvproof.gpu_runtime.hisparse_host:HiSparseHostPool")
+    assert only_host.exit_code == 2 and "no --impl serves component 'swa_allocator'" in only_host.output

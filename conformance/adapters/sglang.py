@@ -205,6 +205,8 @@ class SGLangKVPool:
 class SGLangSWAAllocator:
     """SGLang 0.5.23's ``SWATokenToKVPoolAllocator`` + ``SWAKVPool``, failure by exception, observation by snapshot."""
 
+    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
+
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         self.sglang = load_sglang()
         self.version = f"sglang {self.sglang.version}"  # reported as the implementation's version

@@ -163,6 +163,7 @@ class SGLangHostPool:
     """``MLATokenToKVPoolHost`` (``HiSparseHostPoolMixin``) + the coordinator's table and call sites, as
     :class:`~kvproof.conformance.protocol.HostPoolUnderTest`."""
 
+    components = ("hisparse_host",)  # the suites it serves
     capabilities = CAPABILITIES
     device = torch.device("cpu")
 
