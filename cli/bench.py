@@ -9,8 +9,8 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   and the same pairs on the pure-Python reference over the same 16k-token pool;
 * harness overhead = (time of one lockstep step) / (time of one bare runtime op),
   where a bare op is half of an alloc_extend+free pair at page size 4; and the price
-  of the per-operation timeout (steps/s calling the implementation directly vs through
-  the watchdog thread);
+  of the per-operation timeout (steps/s calling the implementation directly vs under
+  the deadline);
 * ``loc_cache``: the cost of ``translate_loc_from_full_to_swa`` on a cache hit and on a
   miss (invalidate + gather), for 64 and 4096 slots;
 * with SGLang installed (``make sglang``): ``alloc``/``alloc_extend`` + ``free`` ops/s of

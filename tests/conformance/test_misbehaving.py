@@ -116,3 +116,16 @@ def test_the_run_goes_on_to_the_next_config() -> None:
     reports = conform(RaisesUnexpected, "tests:RaisesUnexpected", "ci", labels, components=("swa_allocator",))
     assert [r.config.label() for r in reports] == labels
     assert not any(r.passed for r in reports)
+
+
+def test_a_hung_call_off_the_main_thread_uses_the_worker() -> None:
+    """Off the main thread (no SIGALRM there) the call runs on an abandonable worker thread."""
+    import threading
+
+    box = []
+    runner = threading.Thread(target=lambda: box.append(run_check(
+        "swa_allocator", Hangs, CONFIG, profile="ci", impl_name="hangs", failures_dir=None, op_timeout=0.3)))
+    runner.start()
+    runner.join(60)
+    assert box and not box[0].passed
+    assert "alloc_extend did not return within 0.3 s (hung)" in (box[0].failure or "")
