@@ -87,7 +87,8 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
             policy: str, seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
             junit_xml: str | None, op_timeout: float) -> None:
     """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc, hisparse_host)."""
-    from kvproof.cli.conform import conform_outcomes, conform_table, declared_components
+    from kvproof.cli.conform import conform_outcomes, conform_table
+    from kvproof.conformance.check import declared_components
     from kvproof.cli.impl import load_factory
     from kvproof.conformance.report import load_selection, write_json, write_junit
 

@@ -12,13 +12,14 @@ from kvproof.conformance.check import (
     CheckReport,
     MutantVerdict,
     get_suite,
+    impl_for,
     kill_mutants,
     run_check,
 )
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, forced_seed, impl_version
 
-__all__ = ["conform", "conform_outcomes", "conform_table", "run_mutants", "mutants_table", "declared_components"]
+__all__ = ["conform", "conform_outcomes", "conform_table", "run_mutants", "mutants_table"]
 
 
 def conform(factory: Callable | None, impl_spec: str | None, profile: str, labels: Sequence[str] = (),
@@ -55,7 +56,7 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
     given = list(impls) or ([(impl_spec or "impl", factory)] if factory is not None else [])
     with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
         for suite in suites:
-            spec, make = _impl_for(suite.component, given)
+            spec, make = impl_for(suite.component, given)
             if make is None:
                 spec, make = impl_spec or suite.default_impl, load_factory(impl_spec or suite.default_impl)
             options = _options(suite.component, policy)
@@ -81,26 +82,6 @@ def conform_outcomes(factory: Callable | None, impl_spec: str | None, profile: s
     info = RunInfo(spec_names, "; ".join(sorted(versions)) or "unknown", used_seed, profile,
                    tuple(selection.unmatched()))
     return outcomes, info
-
-
-def declared_components(factory: Callable) -> tuple[str, ...] | None:
-    """The suites a factory declares it serves (``components``), or ``None`` if it declares none."""
-    declared = getattr(factory, "components", None)
-    return tuple(declared) if declared is not None else None
-
-
-def _impl_for(component: str, given: list[tuple[str, Callable]]) -> tuple[str, Callable | None]:
-    """The given implementation for ``component``: one declaring it, else one declaring nothing."""
-    if not given:
-        return "", None
-    for spec, factory in given:
-        if component in (declared_components(factory) or ()):
-            return spec, factory
-    for spec, factory in given:
-        if declared_components(factory) is None:
-            return spec, factory
-    raise ValueError(f"no --impl serves component {component!r}; they declare "
-                     f"{ {spec: declared_components(f) for spec, f in given} }")
 
 
 def _options(component: str, policy: str) -> dict[str, object]:

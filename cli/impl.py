@@ -6,10 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_IMPL", "load_factory"]
-
-#: kvproof's own torch runtime.
-DEFAULT_IMPL = "kvproof.gpu_runtime.swa_allocator:SWATokenToKVPoolAllocator"
+__all__ = ["load_factory"]
 
 
 class ImplSpecError(ValueError):

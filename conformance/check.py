@@ -38,7 +38,7 @@ AnyConfig = PoolConfig | HostPoolConfig
 
 __all__ = ["CheckReport", "ConformanceFailure", "MutantVerdict", "Suite", "SUITES", "get_suite", "run_check", "check",
            "run_swa_allocator_check", "check_swa_allocator", "check_loc_cache", "check_hisparse_host", "kill_mutants",
-           "FAILURES_DIR", "make_vector", "replay_vector"]
+           "FAILURES_DIR", "make_vector", "replay_vector", "declared_components", "impl_for"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
@@ -86,6 +86,26 @@ def get_suite(component: str) -> Suite:
         return SUITES[component]
     except KeyError:
         raise ValueError(f"unknown component {component!r}; choose one of {sorted(SUITES)}") from None
+
+
+def declared_components(factory: Callable) -> tuple[str, ...] | None:
+    """The suites a factory declares it serves (``components``), or ``None`` if it declares none."""
+    declared = getattr(factory, "components", None)
+    return tuple(declared) if declared is not None else None
+
+
+def impl_for(component: str, given: list[tuple[str, Callable]]) -> tuple[str, Callable | None]:
+    """The given implementation for ``component``: one declaring it, else one declaring nothing."""
+    if not given:
+        return "", None
+    for spec, factory in given:
+        if component in (declared_components(factory) or ()):
+            return spec, factory
+    for spec, factory in given:
+        if declared_components(factory) is None:
+            return spec, factory
+    raise ValueError(f"no --impl serves component {component!r}; they declare "
+                     f"{ {spec: declared_components(f) for spec, f in given} }")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvproof.reference.config import KVGeometry, PoolConfig
 
-__all__ = ["CONFORMANCE_CONFIGS", "config_by_label"]
+__all__ = ["CONFORMANCE_CONFIGS"]
 
 CONFORMANCE_CONFIGS: tuple[PoolConfig, ...] = (
     PoolConfig(size_full=12, size_swa=8, page_size=1, sliding_window_size=3),
@@ -22,10 +22,3 @@ CONFORMANCE_CONFIGS: tuple[PoolConfig, ...] = (
                              swa_attention_layer_ids=(1,), dtype="bfloat16")),
 )
 
-
-def config_by_label(label: str) -> PoolConfig:
-    """The conformance config with this ``PoolConfig.label()``; ``ValueError`` listing the labels."""
-    for config in CONFORMANCE_CONFIGS:
-        if config.label() == label:
-            return config
-    raise ValueError(f"unknown config {label!r}; choose one of {[c.label() for c in CONFORMANCE_CONFIGS]}")

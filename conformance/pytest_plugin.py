@@ -70,12 +70,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def kvproof_factory(request: pytest.FixtureRequest, kvproof_case: tuple[str, Any]) -> Any:
     """The implementation factory: ``--kvproof-impl`` / ``$KVPROOF_IMPL``, else the component's default."""
-    from kvproof.cli.conform import _impl_for
     from kvproof.cli.impl import load_factory
-    from kvproof.conformance.check import get_suite
+    from kvproof.conformance.check import get_suite, impl_for
 
     given = [(spec, load_factory(spec)) for spec in _impl_specs(request.config)]
-    return _impl_for(kvproof_case[0], given)[1] or load_factory(get_suite(kvproof_case[0]).default_impl)
+    return impl_for(kvproof_case[0], given)[1] or load_factory(get_suite(kvproof_case[0]).default_impl)
 
 
 @pytest.fixture

@@ -73,6 +73,16 @@ class Obligation:
         """A broken twin: a deliberately wrong variant that must be refuted."""
         return self.twin_of is not None
 
+    @classmethod
+    def of_component(cls, component: str, suffix: str, statement: str, build: Callable[[], Sequence[z3.BoolRef]],
+                     render: Callable[[z3.ModelRef], str], *, expect: Expect = "proved",
+                     twin_of: str | None = None) -> Obligation:
+        """An obligation of a component that is its own family: named ``component.suffix`` (twins
+        name their sound obligation by suffix too)."""
+        return cls(name=f"{component}.{suffix}", component=component, family=component, statement=statement,
+                   expect=expect, build=build, render=render,
+                   twin_of=None if twin_of is None else f"{component}.{twin_of}")
+
 
 @dataclass(frozen=True)
 class Result:

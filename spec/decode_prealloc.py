@@ -78,12 +78,13 @@ value is a product ``k * P`` with an explicit witness ``k`` (see
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import z3
 
-from kvproof.spec._solver import Expect, Obligation, as_bool, as_int
+from kvproof.spec._solver import Obligation, as_bool, as_int
 from kvproof.spec.terms import IntLike, ceil_div_term, ceil_p_term, floor_p_term, lift, swa_tail_term, zmax, zmin
 
 __all__ = [
@@ -381,12 +382,7 @@ def _batch_text(m: z3.ModelRef, b: Batch, extra: z3.ArithRef) -> str:
             f"full {as_int(m, b.retracted_full)} swa {as_int(m, b.retracted_swa)}")
 
 
-def _obligation(suffix: str, statement: str, build: Callable[[], list[z3.BoolRef]],
-                render: Callable[[z3.ModelRef], str], *, expect: Expect = "proved",
-                twin_of: str | None = None) -> Obligation:
-    return Obligation(name=f"{COMPONENT}.{suffix}", component=COMPONENT, family=FAMILY, statement=statement,
-                      expect=expect, build=build, render=render,
-                      twin_of=None if twin_of is None else f"{COMPONENT}.{twin_of}")
+_obligation = functools.partial(Obligation.of_component, COMPONENT)
 
 
 # ---- D1: one admission against fresh budgets ------------------------------------------------

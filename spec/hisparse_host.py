@@ -50,12 +50,13 @@ witness ``k`` (see ``terms.part2_pages_term``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import z3
 
-from kvproof.spec._solver import Expect, Obligation, as_int
+from kvproof.spec._solver import Obligation, as_int
 from kvproof.spec.terms import IntLike, ceil_div_term, ceil_p_term, floor_p_term, lift, zmax
 
 __all__ = [
@@ -134,12 +135,7 @@ def div_shift_facts(x: IntLike, w: IntLike, page_size: IntLike) -> list[z3.BoolR
 # ---- shared helpers ---------------------------------------------------------------------
 
 
-def _obligation(suffix: str, statement: str, build: Callable[[], list[z3.BoolRef]],
-                render: Callable[[z3.ModelRef], str], *, expect: Expect = "proved",
-                twin_of: str | None = None) -> Obligation:
-    return Obligation(name=f"{COMPONENT}.{suffix}", component=COMPONENT, family=FAMILY, statement=statement,
-                      expect=expect, build=build, render=render,
-                      twin_of=None if twin_of is None else f"{COMPONENT}.{twin_of}")
+_obligation = functools.partial(Obligation.of_component, COMPONENT)
 
 
 @dataclass(frozen=True)
