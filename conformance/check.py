@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from kvproof.conformance import decode_prealloc, hisparse_host, loc_cache, swa_allocator
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.profiles import get_profile
-from kvproof.conformance.protocol import AllocatorFactory, Capability
+from kvproof.reference.contract import AllocatorFactory, Capability
 from kvproof.conformance.swa_allocator import MISUSE_CASES
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.config import PoolConfig

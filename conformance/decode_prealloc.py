@@ -29,7 +29,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from kvproof.conformance.protocol import AllocatorFactory, Capability
+from kvproof.reference.contract import AllocatorFactory, Capability
 from kvproof.conformance.swa_allocator import LockstepMachine, Req, Stats
 from kvproof.conformance.vector import recorded
 from kvproof.reference import decode_prealloc as dp

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from kvproof.conformance.lockstep import HarnessError, LockstepCore, Stats, index_problem
-from kvproof.conformance.protocol import Capability, HostPoolFactory, HostPoolUnderTest
+from kvproof.reference.contract import Capability, HostPoolFactory, HostPoolUnderTest
 from kvproof.conformance.vector import recorded
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.arith import ceil_p

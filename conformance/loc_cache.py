@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from kvproof.conformance.index_arena import IndexArena
-from kvproof.conformance.protocol import AllocatorFactory, Capability, LocCacheSystemUnderTest
+from kvproof.reference.contract import AllocatorFactory, Capability, LocCacheSystemUnderTest
 from kvproof.conformance.swa_allocator import RULE_CAPABILITIES as ALLOCATOR_RULES
 from kvproof.conformance.swa_allocator import Stats, SWAAllocatorMachine
 from kvproof.conformance.vector import recorded

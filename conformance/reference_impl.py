@@ -2,7 +2,7 @@
 
 A thin stateful shell over the pure operations of
 ``kvproof.reference.swa_allocator``, speaking the tensor protocol of
-:mod:`kvproof.conformance.protocol`. It lets the lockstep harness run the
+:mod:`kvproof.reference.contract`. It lets the lockstep harness run the
 reference against itself (a suite that the reference cannot pass proves nothing)
 and gives third parties an executable model with SGLang's method names.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig

@@ -29,7 +29,7 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from kvproof.conformance.compare import Divergence, Renaming
 from kvproof.conformance.lockstep import HarnessError, LockstepCore, LockstepFailure, Stats
-from kvproof.conformance.protocol import AllocatorFactory, Capability, SWAAllocatorUnderTest
+from kvproof.reference.contract import AllocatorFactory, Capability, SWAAllocatorUnderTest
 from kvproof.conformance.vector import recorded
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime.paged import resolve_device
 from kvproof.reference.arith import ceil_p
 from kvproof.reference.errors import InvalidOperation, OutOfMemory

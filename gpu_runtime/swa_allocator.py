@@ -33,7 +33,7 @@ per point (:meth:`_invalidate_at`, consulting :attr:`invalidate_at`): ``alloc``,
 of ``last_loc`` (C4: it is taken after the invalidation and before M is written, and
 the new entries never overlap ``last_loc``). ``register_mapping`` installs a fresh M,
 which the pool's ``register_mapping`` follows with its own invalidation. The engine
-hooks ``forward`` / ``capture`` / ``replay`` (:mod:`.model_runner`) carry the points
+hooks ``forward`` / ``capture`` / ``replay`` (:mod:`.loc_cache`) carry the points
 ``forward`` and ``run_once``.
 
 Throughput: allocation and release are a fixed number of tensor ops per call (no
@@ -48,11 +48,11 @@ from typing import ClassVar
 
 import torch
 
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
 from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
 from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation, require
-from kvproof.gpu_runtime.model_runner import GraphRunner, ModelRunner
+from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig

@@ -28,7 +28,7 @@ object itself. The cache cannot see what ``x`` holds nor ``M``: it stays fresh o
 because its owners call ``invalidate_loc_cache()`` at the invalidation points (the
 allocator's mutators, ``register_mapping``, every forward, every graph ``run_once``;
 ``kvproof.reference.loc_cache``). The layer writes of a forward (:meth:`store`, called
-by ``kvproof.gpu_runtime.model_runner``) translate through it, so the first SWA layer
+by ``kvproof.gpu_runtime.loc_cache``) translate through it, so the first SWA layer
 of a forward misses and the others hit (C2). While a graph capture records
 (:mod:`._recording`), gathers and row writes are handed to the recording instead of
 (emulated) or as well as (CUDA) running.

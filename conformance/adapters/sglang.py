@@ -9,7 +9,7 @@
   ``PagedTokenToKVPoolAllocator`` at P > 1, both on their torch code path because the
   base platform has ``supports_triton == False``),
 
-and exposes them as :class:`~kvproof.conformance.protocol.SWAAllocatorUnderTest`. Every
+and exposes them as :class:`~kvproof.reference.contract.SWAAllocatorUnderTest`. Every
 call goes to SGLang; the adapter only translates signalling and observation:
 
 * ``None`` from an allocation becomes :class:`~kvproof.reference.errors.OutOfMemory`.
@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot

@@ -83,7 +83,7 @@ from typing import Any
 
 import torch
 from kvproof.conformance.adapters.sglang import INSTALL_HINT, SGLANG_VERSION, load_sglang, sglang_available
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
 
@@ -161,7 +161,7 @@ def _ints(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 class SGLangHostPool:
     """``MLATokenToKVPoolHost`` (``HiSparseHostPoolMixin``) + the coordinator's table and call sites, as
-    :class:`~kvproof.conformance.protocol.HostPoolUnderTest`."""
+    :class:`~kvproof.reference.contract.HostPoolUnderTest`."""
 
     components = ("hisparse_host",)  # the suites it serves
     capabilities = CAPABILITIES

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvproof.gpu_runtime.model_runner import GraphRunner
+from kvproof.gpu_runtime.loc_cache import GraphRunner
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
 from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
 from kvproof.reference.config import PoolConfig

@@ -19,7 +19,7 @@ from kvproof.conformance.adapters import sglang as adapter
 from kvproof.conformance.check import run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.profiles import get_profile
-from kvproof.conformance.protocol import Capability, SWAAllocatorUnderTest
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 
 SKIP_REASON = f"SGLang is not installed here; install it with: {adapter.INSTALL_HINT}"
 needs_sglang = pytest.mark.skipif(not adapter.sglang_available(), reason=SKIP_REASON)

@@ -18,7 +18,7 @@ from kvproof.conformance.adapters import sglang_findings
 from kvproof.conformance.adapters import sglang_host as adapter
 from kvproof.conformance.check import run_check
 from kvproof.conformance.hisparse_host import HOST_CONFIGS
-from kvproof.conformance.protocol import Capability, HostPoolUnderTest
+from kvproof.reference.contract import Capability, HostPoolUnderTest
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig
 
 SKIP_REASON = f"SGLang is not installed here; install it with: {adapter.INSTALL_HINT}"

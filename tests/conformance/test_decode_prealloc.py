@@ -57,7 +57,7 @@ def test_upstream_policy_crashes_and_shrinks() -> None:
 def test_rules_an_allocator_cannot_serve_are_not_applicable_and_not_run() -> None:
     """Needs follow the page size (P == 1 preallocates with alloc); undeclared needs are reported, never run."""
     from kvproof.conformance.decode_prealloc import allocating_needs
-    from kvproof.conformance.protocol import Capability
+    from kvproof.reference.contract import Capability
 
     class NoDecode(SWATokenToKVPoolAllocator):
         capabilities = frozenset(Capability) - {Capability.ALLOC_DECODE}

@@ -60,7 +60,7 @@ def test_free_of_released_positions_is_split_without_the_capability() -> None:
     """Without FREE_RELEASED_SWA the harness frees such requests as free_swa(still mapped) + free_full."""
     from kvproof.conformance.check import check
     from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-    from kvproof.conformance.protocol import Capability
+    from kvproof.reference.contract import Capability
     from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
     class Strict(SWATokenToKVPoolAllocator):

@@ -5,7 +5,7 @@ import torch
 
 from kvproof.conformance.check import check_swa_allocator
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-from kvproof.conformance.protocol import Capability, SWAAllocatorUnderTest
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvproof.conformance.protocol import Capability
+from kvproof.reference.contract import Capability
 from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvproof.conformance.mutants.loc_cache import CFG, CFG1, WITNESSES, IndexArena, stale
-from kvproof.conformance.protocol import LocCacheSystemUnderTest
+from kvproof.reference.contract import LocCacheSystemUnderTest
 from kvproof.gpu_runtime import SWAKVPool, SWATokenToKVPoolAllocator
 from kvproof.reference import KVGeometry, PoolConfig, check_invariants
 from kvproof.reference import loc_cache as lc

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvproof.conformance.protocol import Capability, SWAAllocatorUnderTest
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference import InvalidOperation, InvariantViolation, OutOfMemory, PoolConfig, arith
 from kvproof.reference import swa_allocator as R

@@ -1,4 +1,14 @@
-"""The contract an SWA composite allocator meets to be checked by kvproof (component ``swa_allocator``).
+"""The contract an implementation meets to be checked by kvproof: capabilities and protocols.
+
+It lives in the reference layer, below the torch runtime that fulfils it and the
+conformance harness that checks it (README, "Architecture"). Tensors appear only in
+annotations: this module does not import torch.
+
+Every implementation declares ``capabilities`` (a frozenset of :class:`Capability`) and
+may declare ``components`` (a frozenset of ``kvproof.reference.registry.Component``):
+the suites it serves; without it, it serves any suite whose protocol it meets.
+
+The SWA composite allocator (components ``swa_allocator``, ``loc_cache``, ``decode_prealloc``):
 
 Method names and tensor conventions are SGLang's ``SWATokenToKVPoolAllocator`` /
 ``SWAKVPool`` (sglang_semantics.md §1.5, §2.7, §2.8), so SGLang's own classes fit
@@ -22,19 +32,20 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["Capability", "KVPoolUnderTest", "SWAAllocatorUnderTest", "LocCacheSystemUnderTest", "AllocatorFactory",
-           "HostPoolUnderTest", "HostPoolFactory"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AllocatorFactory", "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
+           "LocCacheSystemUnderTest", "SWAAllocatorUnderTest"]
 
 
-class Capability(str, enum.Enum):
+class Capability(enum.StrEnum):
     """Optional parts of the contract; declared by the implementation, never sniffed."""
 
     ALLOC = "alloc"  # bulk alloc(need_size) in whole pages (SGLang: page_size == 1 only)
