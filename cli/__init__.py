@@ -1,27 +1,40 @@
-"""``kvproof`` command line: ``prove``, ``conform``, ``check`` and ``bench``.
+"""``kvproof`` command line: ``prove``, ``conform``, ``check``, ``mutants``, ``replay`` and ``bench``.
 
 * ``kvproof prove``   -- every Z3 obligation and broken twin; non-zero exit on any failure or ``unknown``.
-* ``kvproof conform`` -- the lockstep suite against kvproof's torch runtime or ``--impl module:factory``.
+* ``kvproof conform`` -- the lockstep suites against kvproof's torch runtime or ``--impl module:factory``.
 * ``kvproof check``   -- ``prove`` + ``conform`` of the built-in runtime + ``mutants``, one summary;
   exit 0 only if all pass.
-* ``kvproof mutants`` -- the suite against every deliberately broken runtime; each must be killed.
+* ``kvproof mutants`` -- the suites against every deliberately broken runtime; each must be killed.
+* ``kvproof replay``  -- a saved failure vector, without Hypothesis.
 * ``kvproof bench``   -- throughput and harness-overhead ratios, measured in one run.
+
+Every verb takes ``--component`` with the registry's choices (``kvproof.reference.registry``),
+and ``conform`` the options the suites declare (``--policy``). The verbs are presentation
+over the run planner (:mod:`kvproof.conformance.plan`) and the spec package. Exit codes:
+0 pass, 1 a verdict (a divergence, a failed obligation, a surviving mutant), 2 bad input
+or a harness error, with a message naming what was wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from kvproof.reference import COMPONENTS
+from kvproof.reference.errors import ConfigError
+from kvproof.reference.registry import Component
 
 __all__ = ["main"]
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy: harmless
+
+COMPONENT_CHOICES = click.Choice([c.value for c in Component])
 
 
 def _console() -> Console:
@@ -29,10 +42,51 @@ def _console() -> Console:
     console = Console()
     return console if console.is_terminal else Console(width=150)
 
+
+def _usage_errors() -> tuple[type[Exception], ...]:
+    from kvproof.conformance.errors import HarnessError
+
+    return (HarnessError, ConfigError)
+
+
+def _bad_input(console: Console, err: Exception) -> None:
+    console.print(f"[red]error: {err}[/]", highlight=False)
+    sys.exit(2)
+
+
 PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev", "smoke"]),
                        help="Hypothesis profile (kvproof.conformance.profiles).")
 CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
-                      help="Run only this pool config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
+                      help="Run only this config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
+COMPONENTS = click.option("--component", "components", multiple=True, type=COMPONENT_CHOICES,
+                          help="Only this component; repeatable. Default: all (conform: those the --impl declare).")
+
+
+def _suite_options() -> list[Any]:
+    """The options the suites declare (``SuiteOption``), once each."""
+    from kvproof.conformance.check import get_suite
+
+    seen: dict[str, Any] = {}
+    for component in Component:
+        for option in get_suite(component).cli_options:
+            seen.setdefault(option.name, option)
+    return list(seen.values())
+
+
+def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add one click option per declared suite option (``--policy`` ...), collected into ``suite_options``."""
+    options = _suite_options()
+    for option in reversed(options):
+        command = click.option(f"--{option.name}", option.name, default=option.default, show_default=True,
+                               type=click.Choice(list(option.choices)), help=option.help)(command)
+    names = [o.name for o in options]
+
+    @functools.wraps(command)  # carries click's collected parameters along
+    def collected(**kwargs: Any) -> Any:
+        kwargs["suite_options"] = {name: kwargs.pop(name) for name in names}
+        return command(**kwargs)
+
+    return collected
 
 
 @click.group()
@@ -42,16 +96,17 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--component", default=None, help="Only obligations of this component (e.g. swa_allocator).")
-@click.option("-k", "name_filter", default=None, help="Only obligations whose name contains this text.")
+@COMPONENTS
+@click.option("-k", "name_filter", default=None, help="Only obligations whose name contains this text (or glob).")
 @click.option("--timeout-ms", default=20_000, show_default=True, help="Solver timeout per obligation.")
 @click.option("--show-counterexamples", is_flag=True, help="Print the counterexample of every broken twin.")
-def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_counterexamples: bool) -> None:
+def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int, show_counterexamples: bool) -> None:
     """Discharge every Z3 obligation; broken twins must yield counterexamples."""
-    from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
+    from kvproof.cli.prove import print_failures, prove_table
+    from kvproof.cli.prove import prove as run_prove
 
     console = _console()
-    results = run_prove(component, name_filter, timeout_ms)
+    results = run_prove(components, name_filter, timeout_ms)
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=show_counterexamples)
     bad = [r for r in results if not r.ok]
@@ -60,20 +115,13 @@ def prove(component: str | None, name_filter: str | None, timeout_ms: int, show_
     sys.exit(1 if bad or not results else 0)
 
 
-COMPONENT = click.option("--component", "components", multiple=True, type=click.Choice(COMPONENTS),
-                         help="Run only this component's suite; repeatable. Default: all.")
-POLICY = click.option("--policy", default="corrected", show_default=True, type=click.Choice(["corrected", "upstream"]),
-                      help="decode_prealloc: the scheduler's admission policy (upstream crashes: S2).")
-
-
 @main.command()
 @click.option("--impl", "impl_specs", multiple=True, metavar="MODULE:FACTORY", envvar="KVPROOF_IMPL",
               help="Implementation factory (config -> implementation); repeatable, each serving the components "
                    "it declares; also $KVPROOF_IMPL (space-separated). Default: kvproof's torch runtime.")
 @PROFILE
 @CONFIG
-@COMPONENT
-@POLICY
+@COMPONENTS
 @click.option("--seed", type=int, default=None, help="Seed of a non-derandomized profile (default: chosen, reported).")
 @click.option("--skip-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'component/config  # reason' (globs allowed): not run, reported as skipped.")
@@ -83,40 +131,26 @@ POLICY = click.option("--policy", default="corrected", show_default=True, type=c
 @click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here.")
 @click.option("--op-timeout", type=float, default=60.0, show_default=True,
               help="Seconds one implementation call may take before it counts as hung.")
+@with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
-            policy: str, seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float) -> None:
-    """Run the lockstep conformance suites (swa_allocator, loc_cache, decode_prealloc, hisparse_host)."""
-    from kvproof.cli.conform import conform_outcomes, conform_table
-    from kvproof.conformance.check import declared_components
-    from kvproof.cli.impl import load_factory
+            seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
+            junit_xml: str | None, op_timeout: float, suite_options: dict[str, str]) -> None:
+    """Run the lockstep conformance suites, one row per component and pool config."""
+    from kvproof.cli.conform import counts, conform_table, print_reports
+    from kvproof.conformance.plan import load_impls, plan, run_plan
     from kvproof.conformance.report import load_selection, write_json, write_junit
 
     console = _console()
-    impls = []
-    for spec in impl_specs:
-        try:
-            impls.append((spec, load_factory(spec)))
-        except ValueError as err:
-            raise click.BadParameter(str(err), param_hint="--impl") from err
-    if impls and not components:  # the components the given implementations declare (all if one declares none)
-        declared = [declared_components(f) for _, f in impls]
-        wanted = set(COMPONENTS) if None in declared else {c for d in declared for c in d or ()}
-        components = tuple(c for c in COMPONENTS if c in wanted)
     try:
-        selection = load_selection(skip_file, xfail_file)
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--skip-file/--xfail-file") from err
-    try:
-        outcomes, info = conform_outcomes(None, None, profile, configs,
-                                          on_report=lambda r: _report_progress(console, r),
-                                          components=components or COMPONENTS, policy=policy, selection=selection,
-                                          seed=seed, op_timeout=op_timeout, impls=impls)
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--config/--impl") from err
+        the_plan = plan(components, load_impls(impl_specs), configs, load_selection(skip_file, xfail_file),
+                        suite_options)
+    except _usage_errors() as err:
+        _bad_input(console, err)
+    outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout,
+                              on_report=lambda r: _report_progress(console, r))
     reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
-    _print_reports(console, reports)
+    print_reports(console, reports)
     for o in outcomes:
         if o.status in ("skipped", "xfailed", "xpassed"):
             style = "red" if o.status == "xpassed" else "yellow"
@@ -124,7 +158,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     for warning in info.warnings:
         console.print(f"[yellow]warning: {warning}[/]")
     console.print(f"implementation {info.impl} ({info.impl_version}); seed {info.seed}; "
-                  + ", ".join(f"{n} {k}" for k, n in _counts(outcomes).items()), markup=False, highlight=False)
+                  + ", ".join(f"{n} {k}" for k, n in counts(outcomes).items()), markup=False, highlight=False)
     if json_report:
         write_json(json_report, outcomes, info)
     if junit_xml:
@@ -132,39 +166,32 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     sys.exit(0 if all(o.ok for o in outcomes) else 1)
 
 
-def _counts(outcomes) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o.status] = counts.get(o.status, 0) + 1
-    return counts
-
-
 @main.command()
 @PROFILE
-def check(profile: str) -> None:
+@COMPONENTS
+def check(profile: str, components: tuple[str, ...]) -> None:
     """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
-    from kvproof.cli.conform import conform as run_conform, conform_table, mutants_table, run_mutants
-    from kvproof.cli.prove import print_failures, prove as run_prove, prove_table
+    from kvproof.cli.conform import conform_table, mutants_table, print_reports, run_mutants
+    from kvproof.cli.prove import print_failures, prove_table
+    from kvproof.cli.prove import prove as run_prove
+    from kvproof.conformance.plan import plan, run_plan
 
     console = _console()
-    results = run_prove()
+    results = run_prove(components)
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
-    reports = run_conform(None, None, profile, on_report=lambda r: _report_progress(console, r),
-                          components=COMPONENTS)
+    outcomes, _ = run_plan(plan(components), profile=profile, on_report=lambda r: _report_progress(console, r))
+    reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
-    _print_reports(console, reports)
-    verdicts = run_mutants(profile)
+    print_reports(console, reports)
+    verdicts = run_mutants(profile, components)
     console.print(mutants_table(verdicts))
     summary = Table(title="kvproof check")
     for col in ("part", "items", "passed", "verdict"):
         summary.add_column(col)
-    proved = sum(r.ok for r in results)
-    conformed = sum(r.passed for r in reports)
-    killed = sum(v.killed for v in verdicts)
-    rows = [("prove (obligations + broken twins)", len(results), proved),
-            ("conform (components x pool configs)", len(reports), conformed),
-            ("mutants killed (test the tester)", len(verdicts), killed)]
+    rows = [("prove (obligations + broken twins)", len(results), sum(r.ok for r in results)),
+            ("conform (components x pool configs)", len(reports), sum(r.passed for r in reports)),
+            ("mutants killed (test the tester)", len(verdicts), sum(v.killed for v in verdicts))]
     for part, n, ok in rows:
         summary.add_row(part, str(n), str(ok), "[green]pass[/]" if ok == n and n else "[red]FAIL[/]")
     console.print(summary)
@@ -173,14 +200,15 @@ def check(profile: str) -> None:
 
 @main.command()
 @PROFILE
-def mutants(profile: str) -> None:
-    """Test the tester: the lockstep suite must kill every deliberately broken runtime."""
+@COMPONENTS
+def mutants(profile: str, components: tuple[str, ...]) -> None:
+    """Test the tester: each component's suite must kill every deliberately broken runtime."""
     from kvproof.cli.conform import mutants_table, run_mutants
 
     console = _console()
-    verdicts = run_mutants(profile)
+    verdicts = run_mutants(profile, components)
     console.print(mutants_table(verdicts))
-    sys.exit(0 if all(v.killed for v in verdicts) else 1)
+    sys.exit(0 if verdicts and all(v.killed for v in verdicts) else 1)
 
 
 @main.command()
@@ -190,20 +218,20 @@ def mutants(profile: str) -> None:
 def replay(vector_file: str, impl_spec: str | None) -> None:
     """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
 
-    Exit 0 if every step and invariant passes on the implementation, 1 if it fails, 2 if
-    the vector cannot be replayed (malformed, or a step's rule does not apply).
+    Exit 0 if every step and check passes on the implementation, 1 if it fails, 2 if the
+    vector cannot be replayed (malformed, or a step's rule does not apply).
     """
-    from kvproof.cli.impl import load_factory
-    from kvproof.conformance.check import get_suite, replay_vector
-    from kvproof.conformance.vector import VectorError, load_vector
+    from kvproof.conformance.check import replay_vector
+    from kvproof.conformance.plan import load_factory
+    from kvproof.conformance.vector import load_vector
+    from kvproof.reference.registry import info
 
     console = _console()
     try:
         vector = load_vector(vector_file)
-        spec = impl_spec or get_suite(str(vector["component"])).default_impl
-        factory = load_factory(spec)
-        result = replay_vector(vector, factory, impl_name=spec)
-    except (VectorError, ValueError) as err:
+        spec = impl_spec or info(str(vector["component"])).default_impl
+        result = replay_vector(vector, load_factory(spec), impl_name=spec)
+    except _usage_errors() as err:
         console.print(f"[red]cannot replay {vector_file}: {err}[/]")
         sys.exit(2)
     where = f"{result.component} {result.config}, {len(vector['steps'])} recorded step(s)"
@@ -216,36 +244,16 @@ def replay(vector_file: str, impl_spec: str | None) -> None:
 
 
 @main.command()
+@COMPONENTS
 @click.option("--quick", is_flag=True, help="Fewer repetitions (smoke run).")
-def bench(quick: bool) -> None:
-    """Lockstep steps/s, runtime alloc_extend+free pairs/s at P=1 and P=4, harness overhead ratio."""
+def bench(components: tuple[str, ...], quick: bool) -> None:
+    """Each component's benchmark section: throughput, harness overhead and capacity, as ratios of one run."""
     from kvproof.cli.bench import run_bench
 
-    run_bench(_console(), quick=quick)
+    run_bench(_console(), quick=quick, components=components)
 
 
-def _report_progress(console: Console, report) -> None:  # type: ignore[no-untyped-def]
+def _report_progress(console: Console, report: Any) -> None:
     verdict = "pass" if report.passed else "FAIL"
     console.print(f"  {report.component} {report.config.label()}: {verdict} "
                   f"({report.examples} examples, {report.steps} steps, {report.seconds:.1f} s)")
-
-
-def _print_reports(console: Console, reports) -> None:  # type: ignore[no-untyped-def]
-    groups: dict[tuple[str, ...], list[str]] = {}  # capabilities may differ per config (e.g. per page size)
-    for r in reports:
-        if r.not_applicable:
-            groups.setdefault(tuple(r.not_applicable), []).append(f"{r.component} {r.config.label()}")
-    for rules, where in groups.items():
-        console.print(f"not applicable (capabilities not declared) on {', '.join(where)}: {len(rules)} rule(s): "
-                      f"{', '.join(rules)}")
-    for r in reports:
-        if r.never_run:
-            console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
-        if not r.passed:
-            console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
-            console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
-            if r.failure_file:
-                console.print(f"(saved to {r.failure_file})")
-                vector = r.failure_file.rsplit(".", 1)[0] + ".json"
-                console.print(f"replay without Hypothesis: kvproof replay {vector} --impl {r.impl_name}",
-                              markup=False, highlight=False, soft_wrap=True)

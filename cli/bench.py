@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from hypothesis import settings
@@ -32,14 +34,18 @@ from rich.table import Table
 
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.profiles import get_profile
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
+from kvproof.gpu_runtime.paged import default_device
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.registry import Component, parse_components
 
-__all__ = ["run_bench", "runtime_pairs_per_second", "reference_pairs_per_second", "lockstep_steps_per_second"]
+__all__ = ["SECTIONS", "Section", "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
+           "runtime_pairs_per_second"]
 
 
 def _lengths(count: int, seed: int = 0) -> list[int]:
@@ -92,7 +98,7 @@ def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
                                          failures_dir=None, op_timeout=op_timeout)
         if not report.passed:
-            raise RuntimeError(f"benchmark run failed conformance: {report.failure}")
+            raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
         seconds += report.seconds
     return steps / seconds, steps
@@ -135,7 +141,6 @@ CAPACITY_SETTINGS: tuple[tuple[int, int, int, int, int], ...] = (
 def decode_capacity(window: int, page: int, prompt: int, full: int, swa: int, *, tail: bool) -> int:
     """Requests one admission round preallocates on an empty decode node (R = 512, corrected policy)."""
     from kvproof.reference import decode_prealloc as dp
-    from kvproof.reference.config import PoolConfig
 
     pool = PoolConfig(size_full=full, size_swa=swa, page_size=page, sliding_window_size=window)
     node = dp.initial_node(dp.DecodeConfig(policy=dp.PreallocPolicy.CORRECTED, swa_tail_prealloc=tail,
@@ -144,7 +149,7 @@ def decode_capacity(window: int, page: int, prompt: int, full: int, swa: int, *,
         node = dp.arrive(node, rid, prompt, 1, 128)
     result = dp.pop_preallocated(node, ref.initial_state(pool))
     if result.crash is not None:
-        raise RuntimeError(f"capacity study crashed: {result.crash}")
+        raise HarnessBug(f"capacity study crashed: {result.crash}")
     return len(result.rids)
 
 
@@ -216,25 +221,25 @@ def _sync(device: str | torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
+@dataclass
+class Section:
+    """One component's part of the benchmark: table rows, extra tables, and the numbers returned."""
+
+    rows: dict[str, str] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _swa_allocator(quick: bool) -> Section:
     pairs, examples = (500, 10) if quick else (5000, 40)
-    p1, device = runtime_pairs_per_second(1, pairs)
+    p1, _ = runtime_pairs_per_second(1, pairs)
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
     steps_per_s, steps = lockstep_steps_per_second(examples)
     direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
-    hit64, miss64 = translate_cost_us(64, pairs)
-    hit4k, miss4k = translate_cost_us(4096, pairs)
-    host_steps = 30 if quick else 200
-    host_vec = host_backup_tokens_per_second("runtime", 64, host_steps)
-    host_one = host_backup_tokens_per_second("runtime_one_by_one", 64, host_steps)
-    host_ref = host_backup_tokens_per_second("reference", 64, max(10, host_steps // 10))
-    op_seconds = 1.0 / (2 * p4)
-    overhead = (1.0 / steps_per_s) / op_seconds
-    table = Table(title=f"kvproof bench (runtime device: {device}, torch {torch.__version__})")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    rows = {
+    overhead = (1.0 / steps_per_s) / (1.0 / (2 * p4))  # one lockstep step / one bare op (half an extend+free pair)
+    out = Section(rows={
         "runtime alloc_extend+free pairs/s, P=1": f"{p1:,.0f}",
         "runtime alloc_extend+free pairs/s, P=4": f"{p4:,.0f}",
         "reference alloc_extend+free pairs/s, P=4": f"{r4:,.0f}",
@@ -242,21 +247,70 @@ def run_bench(console: Console, *, quick: bool = False) -> dict[str, float]:
         f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
         "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
+    }, values={"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
+               "watchdog_cost": direct_steps_per_s / steps_per_s})
+    note = _sglang_rows(out.rows, quick)
+    if note:
+        out.notes.append(note)
+    return out
+
+
+def _loc_cache(quick: bool) -> Section:
+    calls = 500 if quick else 5000
+    hit64, miss64 = translate_cost_us(64, calls)
+    hit4k, miss4k = translate_cost_us(4096, calls)
+    return Section(rows={
         "loc_cache translate, 64 slots: hit / miss (us)": f"{hit64:.2f} / {miss64:.2f}",
         "loc_cache translate, 4096 slots: hit / miss (us)": f"{hit4k:.2f} / {miss4k:.2f}",
         "loc_cache miss / hit, 4096 slots": f"{miss4k / hit4k:.1f}x",
+    }, values={"translate_hit_us": hit4k, "translate_miss_us": miss4k})
+
+
+def _decode_prealloc(quick: bool) -> Section:
+    return Section(tables=[capacity_table()])
+
+
+def _hisparse_host(quick: bool) -> Section:
+    host_steps = 30 if quick else 200
+    host_vec = host_backup_tokens_per_second("runtime", 64, host_steps)
+    host_one = host_backup_tokens_per_second("runtime_one_by_one", 64, host_steps)
+    host_ref = host_backup_tokens_per_second("reference", 64, max(10, host_steps // 10))
+    return Section(rows={
         "hisparse_host eager backup tokens/s, 64 requests, P_h=64 (runtime, batched)": f"{host_vec:,.0f}",
         "hisparse_host backup: batched / one request per call (runtime)": f"{host_vec / host_one:.1f}x",
         "hisparse_host backup: runtime batched / reference": f"{host_vec / host_ref:.1f}x",
-    }
-    sglang_note = _sglang_rows(rows, quick)
-    for k, v in rows.items():
-        table.add_row(k, v)
-    console.print(table)
-    if sglang_note:
-        console.print(sglang_note)
-    console.print(capacity_table())
-    return {"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
-            "watchdog_cost": direct_steps_per_s / steps_per_s,
-            "translate_hit_us": hit4k, "translate_miss_us": miss4k, "host_backup_tokens_per_s": host_vec,
-            "host_backup_batched_vs_one": host_vec / host_one, "host_backup_vs_reference": host_vec / host_ref}
+    }, values={"host_backup_tokens_per_s": host_vec, "host_backup_batched_vs_one": host_vec / host_one,
+               "host_backup_vs_reference": host_vec / host_ref})
+
+
+#: The benchmark's sections, one per component of the registry (``tests/test_registry.py`` checks the keys).
+SECTIONS: dict[Component, Callable[[bool], Section]] = {
+    Component.SWA_ALLOCATOR: _swa_allocator,
+    Component.LOC_CACHE: _loc_cache,
+    Component.DECODE_PREALLOC: _decode_prealloc,
+    Component.HISPARSE_HOST: _hisparse_host,
+}
+
+
+def run_bench(console: Console, *, quick: bool = False, components: Iterable[Component | str] = ()
+              ) -> dict[str, float]:
+    """Every selected component's section (default: all), measured in this one run; the numbers, by name."""
+    chosen = parse_components(components) or tuple(Component)
+    sections = [SECTIONS[c](quick) for c in chosen]
+    device = default_device()
+    table = Table(title=f"kvproof bench (runtime device: {device}, torch {torch.__version__})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    values: dict[str, float] = {}
+    for section in sections:
+        for k, v in section.rows.items():
+            table.add_row(k, v)
+        values.update(section.values)
+    if table.row_count:
+        console.print(table)
+    for section in sections:
+        for note in section.notes:
+            console.print(note)
+        for extra in section.tables:
+            console.print(extra)
+    return values

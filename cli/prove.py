@@ -5,14 +5,20 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from collections.abc import Iterable
+
 from kvproof import spec
+from kvproof.reference.registry import Component, parse_components
 from kvproof.spec import Result
 
-__all__ = ["prove", "prove_table"]
+__all__ = ["print_failures", "prove", "prove_table"]
 
 
-def prove(component: str | None = None, name_filter: str | None = None, timeout_ms: int = 20_000) -> list[Result]:
-    return [spec.run(ob, timeout_ms=timeout_ms) for ob in spec.obligations(component, name_filter)]
+def prove(components: Iterable[Component | str] = (), name_filter: str | None = None,
+          timeout_ms: int = 20_000) -> list[Result]:
+    """Every obligation of the chosen components (default: every component of the registry), in registry order."""
+    chosen = parse_components(components) or tuple(Component)
+    return [spec.run(ob, timeout_ms=timeout_ms) for c in chosen for ob in spec.obligations(c.value, name_filter)]
 
 
 def prove_table(results: list[Result]) -> Table:

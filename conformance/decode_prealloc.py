@@ -23,21 +23,25 @@ After every step:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule
 
-from kvproof.reference.contract import AllocatorFactory, Capability
-from kvproof.conformance.swa_allocator import LockstepMachine, Req, Stats
-from kvproof.conformance.vector import recorded
+from kvproof.conformance.check import Suite, SuiteOption
+from kvproof.conformance.compare import Divergence
+from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.lockstep import check_after_each_step, operation
+from kvproof.conformance.swa_allocator import Req, SWALockstep
 from kvproof.reference import decode_prealloc as dp
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import OutOfMemory
+from kvproof.reference.contract import Capability
+from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.registry import Component
 
-__all__ = ["DecodePreallocMachine", "RULE_CAPABILITIES", "rule_capabilities", "allocating_needs", "machine_for"]
+__all__ = ["DEFAULT_DECODE_CONFIG", "SUITE", "DecodePreallocMachine", "allocating_needs"]
 
 C = Capability
 
@@ -54,76 +58,49 @@ def allocating_needs(config: PoolConfig) -> frozenset[Capability]:
     return frozenset(prealloc | {C.ALLOC_DECODE, C.CPU_COPY, C.KV_BUFFER, C.FREE_RELEASED_SWA})
 
 
-def rule_capabilities(config: PoolConfig) -> dict[str, frozenset[Capability]]:
-    """Each rule's needs for ``config`` (``arrive`` touches no allocator)."""
-    needs = allocating_needs(config)
-    return {"arrive": frozenset(), "pop_preallocated": needs, "decode": needs, "retract": needs,
-            "resume_retracted_reqs": needs}
-
-
-#: The needs at page size > 1 (the per-config ones: :func:`rule_capabilities`).
-RULE_CAPABILITIES: dict[str, frozenset[Capability]] = rule_capabilities(
-    PoolConfig(size_full=8, size_swa=8, page_size=2, sliding_window_size=2))
-
-
-class DecodePreallocMachine(LockstepMachine):
+class DecodePreallocMachine(SWALockstep):
     """A decode node driven by the reference scheduler; allocations replayed on the implementation."""
 
-    decode_config: ClassVar[dp.DecodeConfig]
-    stats: ClassVar[Stats]
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        self.decode_config: dp.DecodeConfig = binding.options.get("decode_config", DEFAULT_DECODE_CONFIG)
         self.node = dp.initial_node(self.decode_config)
         self.copies: dict[int, object] = {}  # the implementation's CPU copies of retracted requests
 
-    def _applicable(self) -> bool:
-        """The allocator declares what the scheduler calls (else the rules are reported not applicable)."""
-        return allocating_needs(self.config) <= self.caps
-
     # ------------------------------------------------------------ rules
 
-    @rule(data=st.data())
-    @recorded
-    def arrive(self, data: st.DataObject) -> None:
+    @operation(environment=True, data=st.data())
+    def arrive(self, data: Any) -> None:
         """A request prefilled elsewhere joins the queue (prompt lengths biased to page and window edges)."""
         p, w, top = self.p, self.w, self.config.size_full
         edges = sorted({x for x in (w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, p - 1, p, p + 1, 2 * p + 1, 1)
                         if 1 <= x <= top})
-        origin = data.draw(st.one_of(st.sampled_from(edges), st.integers(1, top)), label="origin_input_len")
-        out = data.draw(st.sampled_from([1, 2]), label="output_len")
-        max_new = data.draw(st.one_of(st.integers(out + 1, 4), st.integers(out + 1, 3 * p + w)),
-                            label="max_new_tokens")
-        rid = self._new_rid()
-        self.node = dp.arrive(self.node, rid, origin, out, max_new)
-        self.stats.rules["arrive"] += 1
-        self.trace.op(f"arrive(request {rid}: prompt {origin}, outputs {out}, max_new_tokens {max_new})")
+        for _ in range(data.draw(st.integers(1, 3), label="arrivals")):
+            origin = data.draw(st.one_of(st.sampled_from(edges), st.integers(1, top)), label="origin_input_len")
+            out = data.draw(st.sampled_from([1, 2]), label="output_len")
+            max_new = data.draw(st.one_of(st.integers(out + 1, 4), st.integers(out + 1, 3 * p + w)),
+                                label="max_new_tokens")
+            rid = self._new_rid()
+            self.node = dp.arrive(self.node, rid, origin, out, max_new)
+            self.trace.op(f"arrive(request {rid}: prompt {origin}, outputs {out}, max_new_tokens {max_new})")
 
-    @precondition(lambda self: self.node.queue and self._applicable())
-    @rule()
-    @recorded
+    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.queue)
     def pop_preallocated(self) -> None:
         """One admission round: budgets, gates, preallocation (D1 must hold)."""
         self._step("pop_preallocated", dp.pop_preallocated(self.node, self.ref))
 
-    @precondition(lambda self: self.node.running and self._applicable())
-    @rule()
-    @recorded
+    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running)
     def decode(self) -> None:
         """One decode step of the running batch (stalls, changing nothing, if the pools are short)."""
         self._step("decode", dp.decode(self.node, self.ref))
 
-    @precondition(lambda self: self.node.running and self._applicable())
-    @rule(data=st.data())
-    @recorded
-    def retract(self, data: st.DataObject) -> None:
+    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
+    def retract(self, data: Any) -> None:
         """Retract one running request to a CPU copy (what the scheduler does when decode stalls)."""
         rid = data.draw(st.sampled_from([r.rid for r in self.node.running]), label="request")
         self._step("retract", dp.retract(self.node, self.ref, rid))
 
-    @precondition(lambda self: self.node.retracted and self._applicable())
-    @rule()
-    @recorded
+    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.retracted)
     def resume_retracted_reqs(self) -> None:
         """Re-admit retracted requests and load their KV back (D1 must hold here too)."""
         self._step("resume_retracted_reqs", dp.resume_retracted_reqs(self.node, self.ref))
@@ -131,7 +108,6 @@ class DecodePreallocMachine(LockstepMachine):
     # ------------------------------------------------------------ replay of the scheduler's calls
 
     def _step(self, op: str, result: dp.StepResult) -> None:
-        self.stats.rules[op] += 1
         self.trace.op(f"{op}() -> requests {list(result.rids)}" + (" (stalled)" if result.stalled else ""))
         for call in result.calls:
             self._replay(call)
@@ -139,7 +115,7 @@ class DecodePreallocMachine(LockstepMachine):
         self.reqs = {r.rid: Req(r.rid, list(r.slots)) for r in self.node.running}
         if result.crash is not None:
             c = result.crash
-            self._fail(f"D1 violated in {c.op}: request {c.rid} was admitted with budgets (full, swa) = "
+            self.fail(f"D1 violated in {c.op}: request {c.rid} was admitted with budgets (full, swa) = "
                        f"{c.budgets} for requirements {c.required}, then its preallocation failed: {c.message} "
                        f"(upstream: AssertionError 'KV cache is full! Bug in memory estimation')")
 
@@ -152,7 +128,7 @@ class DecodePreallocMachine(LockstepMachine):
                 raise OutOfMemory(call.op, "?", 0, 0)
             return None, call.result
 
-        out = self._run(call.op, f"request {call.rid}: {describe}", reference, impl_call)
+        out = self.call(call.op, f"request {call.rid}: {describe}", reference, impl_call)
         if out is None:
             return
         if call.op == "get_cpu_copy":
@@ -161,12 +137,10 @@ class DecodePreallocMachine(LockstepMachine):
             self._bind(call, out[1])
 
     def _bind(self, call: dp.AllocatorCall, got: Any) -> None:
-        from kvproof.conformance.compare import Divergence
-
         try:
             self.names.bind_full(call.op, list(call.result), [int(x) for x in got.reshape(-1).tolist()])
         except Divergence as err:
-            self._fail(str(err))
+            self.fail(str(err))
 
     def _impl_call(self, call: dp.AllocatorCall) -> tuple[Callable[[], Any], str]:
         a, impl, side = call.args, self.impl, self._side
@@ -193,7 +167,7 @@ class DecodePreallocMachine(LockstepMachine):
                     f"{len(a['indices'])} positions")
         if call.op == "set_kv_buffer":
             return self._kv_call(a), f"layer {a['layer_id']}, {len(a['loc'])} tokens"
-        raise AssertionError(f"no replay for {call.op}")
+        raise HarnessBug(f"the decode node made a call the harness cannot replay: {call.op}")
 
     def _side(self, ref_slots: list[int]) -> list[int]:
         return [self.names.impl_slot(s) if s > 0 else s for s in ref_slots]
@@ -210,13 +184,13 @@ class DecodePreallocMachine(LockstepMachine):
 
     # ------------------------------------------------------------ node invariants
 
-    @invariant()
+    @check_after_each_step
     def node_invariants_hold(self) -> None:
         """No leak, D3 residency, and every running request's KV is what was written for it."""
         try:
             dp.check_node(self.node, self.ref)
-        except AssertionError as err:
-            self._fail(str(err))
+        except InvariantViolation as err:
+            self.fail(str(err))
         if self.decode_config.write_kv:
             self._check_kv()
 
@@ -231,22 +205,25 @@ class DecodePreallocMachine(LockstepMachine):
                     if swa and j < length - self.w:
                         continue  # only in-window SWA rows must survive
                     if swa and m[f] == 0:
-                        self._fail(f"request {req.rid} has no SWA slot for in-window position {j} (L={length})")
+                        self.fail(f"request {req.rid} has no SWA slot for in-window position {j} (L={length})")
                     (got,) = ref.kv_rows(self.ref, layer, [m[f] if swa else f])
                     if got != tuple(k + v):
                         kind = "SWA" if swa else "full"
-                        self._fail(f"request {req.rid} lost the {kind} KV of position {j} (layer {layer}): "
+                        self.fail(f"request {req.rid} lost the {kind} KV of position {j} (layer {layer}): "
                                    f"reference holds {got}")
 
-
-def machine_for(factory: AllocatorFactory, config: PoolConfig, *, impl_name: str = "impl", replay_hint: str = "",
-                decode_config: dp.DecodeConfig | None = None) -> type[DecodePreallocMachine]:
-    """A decode-node machine bound to an allocator factory, a pool config and a scheduler config."""
-    return type(f"DecodePreallocMachine_{config.label().replace('-', '_')}", (DecodePreallocMachine,), {
-        "factory": staticmethod(factory), "config": config, "impl_name": impl_name, "replay_hint": replay_hint,
-        "stats": Stats(), "decode_config": decode_config or DEFAULT_DECODE_CONFIG,
-    })
 
 
 #: The conformance default: the corrected policy (D1 holds, so a failure is the allocator's), R = 0 (tight).
 DEFAULT_DECODE_CONFIG = dp.DecodeConfig(reserved_decode_tokens=0, policy=dp.PreallocPolicy.CORRECTED)
+
+
+def _policy(value: str) -> dict[str, Any]:
+    return {"decode_config": DEFAULT_DECODE_CONFIG.model_copy(update={"policy": dp.PreallocPolicy(value)})}
+
+
+SUITE = Suite(Component.DECODE_PREALLOC, DecodePreallocMachine, CONFORMANCE_CONFIGS,
+              option_types={"decode_config": dp.DecodeConfig},
+              cli_options=(SuiteOption("policy", tuple(p.value for p in dp.PreallocPolicy), "corrected",
+                                       "decode_prealloc: the scheduler's admission policy (upstream crashes: S2)",
+                                       _policy),))

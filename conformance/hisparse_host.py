@@ -28,29 +28,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule
 
-from kvproof.conformance.lockstep import HarnessError, LockstepCore, Stats, index_problem
-from kvproof.reference.contract import Capability, HostPoolFactory, HostPoolUnderTest
-from kvproof.conformance.vector import recorded
+from kvproof.conformance.check import Suite
+from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, index_problem, misuse, operation
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.arith import ceil_p
+from kvproof.reference.contract import Capability, HostPoolUnderTest
 from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.registry import Component
 
-__all__ = ["HostPoolMachine", "RULE_CAPABILITIES", "HOST_CONFIGS", "MISUSE_CASES", "machine_for"]
+__all__ = ["HOST_CONFIGS", "SUITE", "HostPoolMachine"]
 
 C = Capability
-RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
-    "admit_request_into_staging": frozenset(),
-    "eager_backup_previous_token": frozenset(),
-    "alloc_paged_token_slots": frozenset(),
-    "request_finished": frozenset(),
-    "misuse": frozenset({C.REJECTS_MISUSE}),
-}
 
 #: Small host pools on purpose (out of memory is reached): P_h = 1, 2, 3, 4, 8; row
 #: widths that are and are not page multiples.
@@ -71,16 +65,13 @@ class Running:
     seq_len: int
 
 
-class HostPoolMachine(LockstepCore):
+class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
     """The coordinator's calls on the reference and on the implementation, in lockstep."""
 
-    factory: ClassVar[HostPoolFactory]
-    config: ClassVar[hh.HostPoolConfig]
-    impl: HostPoolUnderTest
     snapshot_type = hh.HostPoolSnapshot
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
         self.ref = hh.initial_state(self.config)
         self.p = self.config.page_size
         self.running: dict[int, Running] = {}  # request slot -> request
@@ -107,29 +98,27 @@ class HostPoolMachine(LockstepCore):
                      ) -> tuple[Any, Any] | None:
         """A coordinator call; under the pre-#23606 coordinator the reference's own refusal is the finding."""
         try:
-            return self._run(op, args, ref_call, impl_call)
-        except HarnessError as err:
+            return self.call(op, args, ref_call, impl_call)
+        except HarnessBug as err:
             if not self._pre_change():
                 raise
-            self._fail(f"the pre-#23606 coordinator breaks the page rule: {err.__cause__}")
+            self.fail(f"the pre-#23606 coordinator breaks the page rule: {err.__cause__}")
         return None
 
     def _check_returned(self, op: str, req: int, positions: list[int], impl_slots: torch.Tensor) -> None:
         """The returned slots are the request's row entries for ``positions``, in position order."""
-        self._require_indices(op, impl_slots, len(positions))
+        self.require_indices(op, impl_slots, len(positions))
         got = [int(x) for x in impl_slots.reshape(-1).tolist()]
-        row = self._snapshot().rows[req]
+        row = self.snapshot().rows[req]
         want = [row[j] for j in positions]
         if got != want:
-            self._fail(f"{op} returned host slots {got[:12]} for positions {positions[:12]} of request slot {req}, "
+            self.fail(f"{op} returned host slots {got[:12]} for positions {positions[:12]} of request slot {req}, "
                        f"but the row holds {want[:12]} there")
 
     # ------------------------------------------------------------ rules
 
-    @precondition(lambda self: self._free_slots())
-    @rule(data=st.data())
-    @recorded
-    def admit_request_into_staging(self, data: st.DataObject) -> None:
+    @operation(when=lambda self: self._free_slots(), data=st.data())
+    def admit_request_into_staging(self, data: Any) -> None:
         """Admit a request into a free request slot and back up its prefill of ``n`` tokens."""
         r = data.draw(st.sampled_from(self._free_slots()), label="request_slot")
         top, p = self.config.max_context_len, self.p
@@ -147,13 +136,12 @@ class HostPoolMachine(LockstepCore):
             self.running[r] = Running(rid, n + 1)
             self._check_returned("admit_request_into_staging", r, list(range(n)), impl_slots)
 
-    @precondition(lambda self: self._backupable())
-    @rule(data=st.data())
-    @recorded
-    def eager_backup_previous_token(self, data: st.DataObject) -> None:
+    @operation(when=lambda self: self._backupable(), data=st.data())
+    def eager_backup_previous_token(self, data: Any) -> None:
         """One decode step of a batch: back up each request's previous token, then each decodes one more."""
-        batch = data.draw(st.lists(st.sampled_from(self._backupable()), min_size=1, unique=True), label="batch")
-        if not self._has(C.ATOMIC_BACKUP_BATCH):
+        batch = data.draw(st.lists(st.sampled_from(self._backupable()), min_size=1, unique=True),
+                          label="batch")  # request slots: plain values
+        if not self.supports(C.ATOMIC_BACKUP_BATCH):
             batch = self._cut_short_batch(batch)
         seqs = [self.running[r].seq_len for r in batch]
         values = self._values(len(batch))
@@ -167,12 +155,12 @@ class HostPoolMachine(LockstepCore):
             (self.ref, _), impl_slots = out
             for r in batch:
                 self.running[r].seq_len += 1
-            self._require_indices("eager_backup_previous_token", impl_slots, len(kept))
+            self.require_indices("eager_backup_previous_token", impl_slots, len(kept))
             got = [int(x) for x in impl_slots.reshape(-1).tolist()]
-            rows = self._snapshot().rows
+            rows = self.snapshot().rows
             want = [rows[r][pos] for r, pos in kept]
             if got != want:
-                self._fail(f"eager_backup_previous_token returned host slots {got} for (slot, position) {kept}, "
+                self.fail(f"eager_backup_previous_token returned host slots {got} for (slot, position) {kept}, "
                            f"the rows hold {want} there")
 
     def _cut_short_batch(self, batch: list[int]) -> list[int]:
@@ -194,10 +182,8 @@ class HostPoolMachine(LockstepCore):
             return prefix
         return next([r] for r in batch if not fits([r]))
 
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    @recorded
-    def alloc_paged_token_slots(self, data: st.DataObject) -> None:
+    @operation(when=lambda self: self.running, data=st.data())
+    def alloc_paged_token_slots(self, data: Any) -> None:
         """Token slots for a range starting at or below the allocated length (overlapping ranges reuse slots)."""
         r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
         a, width, p = len(self.ref.rows[r]), self.config.row_width, self.p
@@ -205,42 +191,30 @@ class HostPoolMachine(LockstepCore):
         room = width - start  # the rounded end must fit the row: end <= floor_P(width)
         top = (start + room) // p * p - start
         n = data.draw(st.integers(0, max(0, min(top, 3 * p + 1))), label="num_tokens")
-        out = self._run("alloc_paged_token_slots", f"slot {r}, start_pos {start}, num_tokens {n}",
+        out = self.call("alloc_paged_token_slots", f"slot {r}, start_pos {start}, num_tokens {n}",
                         lambda: hh.alloc_paged_token_slots(self.ref, r, start, n),
                         lambda: self.impl.alloc_paged_token_slots(r, start, n))
         if out:
             (self.ref, _), impl_slots = out
             self._check_returned("alloc_paged_token_slots", r, list(range(start, start + n)), impl_slots)
 
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    @recorded
-    def request_finished(self, data: st.DataObject) -> None:
+    @operation(when=lambda self: self.running, data=st.data())
+    def request_finished(self, data: Any) -> None:
         """Finish (or abort, or retract) a request: its host pages back, its row and length reset."""
         r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
-        out = self._run("request_finished", f"slot {r} (request {self.running[r].rid})",
+        out = self.call("request_finished", f"slot {r} (request {self.running[r].rid})",
                         lambda: (hh.request_finished(self.ref, r), None), lambda: self.impl.request_finished(r))
         if out:
             self.ref = out[0][0]
             del self.running[r]
 
-    @precondition(lambda self: self._has(C.REJECTS_MISUSE) and len(self.trace) % 3 == 2)
-    @rule(data=st.data())
-    @recorded
-    def misuse(self, data: st.DataObject) -> None:
-        """A call upstream asserts on or leaves unchecked; both sides must raise InvalidOperation and change nothing.
-
-        Enabled on every third step only, so that misuse does not crowd out the lifecycle.
-        """
-        cases = [name for name, (ok, _) in MISUSE_CASES.items() if ok(self)]
-        name = data.draw(st.sampled_from(cases), label="misuse")
-        op, args, ref_call, impl_call = MISUSE_CASES[name][1](self, data)
-        self.stats.rules[f"misuse:{name}"] += 1
-        self._run(op, f"{args} [misuse: {name}]", ref_call, impl_call, expect_misuse=True)
+    def misuse_allowed(self) -> bool:
+        """Misuse on every third step only, so that it does not crowd out the lifecycle."""
+        return len(self.trace) % 3 == 2
 
     # ------------------------------------------------------------ the comparison
 
-    @invariant()
+    @check_after_each_step
     def agrees_with_reference(self) -> None:
         """H0-H3 on both sides, same lengths and sizes, same rows (up to page renaming), same host data."""
         self.stats.steps += 1
@@ -249,20 +223,20 @@ class HostPoolMachine(LockstepCore):
         except InvariantViolation as err:
             if not self._pre_change():
                 raise
-            self._fail(f"the pre-#23606 coordinator breaks {err}")
-        snap = self._snapshot()
+            self.fail(f"the pre-#23606 coordinator breaks {err}")
+        snap = self.snapshot()
         try:
             hh.check_host_snapshot(snap, self.config.transfer_page_size)
         except InvariantViolation as err:
-            self._fail(f"the implementation breaks {err}")
+            self.fail(f"the implementation breaks {err}")
         mine = hh.snapshot(self.ref)
         if snap.allocated_len != mine.allocated_len:
-            self._fail(f"allocated lengths {list(snap.allocated_len)}, reference {list(mine.allocated_len)}")
-        available = self._observe("available_size()", self.impl.available_size)
+            self.fail(f"allocated lengths {list(snap.allocated_len)}, reference {list(mine.allocated_len)}")
+        available = self.observe("available_size()", self.impl.available_size)
         if available != mine.available_size:
-            self._fail(f"available_size() = {available}, reference {mine.available_size}")
-        if self._has(C.EXACT_PAGE_ORDER) and (snap.free_slots, snap.rows) != (mine.free_slots, mine.rows):
-            self._fail(f"free list / rows differ from the reference's FIFO order (declared EXACT_PAGE_ORDER): "
+            self.fail(f"available_size() = {available}, reference {mine.available_size}")
+        if self.supports(C.EXACT_PAGE_ORDER) and (snap.free_slots, snap.rows) != (mine.free_slots, mine.rows):
+            self.fail(f"free list / rows differ from the reference's FIFO order (declared EXACT_PAGE_ORDER): "
                        f"free {snap.free_slots[:12]} vs {mine.free_slots[:12]}")
         self._compare_data(snap, mine)
         self.trace.next_step()
@@ -277,75 +251,57 @@ class HostPoolMachine(LockstepCore):
         if not where:
             return
         impl_slots = torch.tensor([snap.rows[r][j] for r, j in where], dtype=torch.int64, device=self.impl.device)
-        data = self._observe("get_host_data()", lambda: self.impl.get_host_data(impl_slots))
+        data = self.observe("get_host_data()", lambda: self.impl.get_host_data(impl_slots))
         problem = index_problem(data, len(where), "cpu")  # host data: int64 on the CPU
         if problem:
-            self._fail(f"get_host_data returned {problem}")
+            self.fail(f"get_host_data returned {problem}")
         got = [int(x) for x in data.reshape(-1).tolist()]
         bad = [(w, g, v) for w, g, v in zip(where, got, want, strict=True) if g != v]
         if bad:
             (r, j), g, v = bad[0]
-            self._fail(f"host data of request slot {r} position {j} reads {g}, written {v} "
+            self.fail(f"host data of request slot {r} position {j} reads {g}, written {v} "
                        f"({len(bad)} position(s) differ)")
 
 
-# ---------------------------------------------------------------- misuse cases (REJECTS_MISUSE)
+    # ------------------------------------------------------------ misuse (REJECTS_MISUSE): both sides reject
 
-MisuseCall = tuple[str, str, Callable[[], Any], Callable[[], Any]]
+    @misuse("alloc_paged_token_slots", "hole", when=lambda self: bool(self.running))
+    def _hole(self, data: Any) -> MisuseCall:
+        r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
+        start = len(self.ref.rows[r]) + data.draw(st.integers(1, 2 * self.p), label="past")
+        return MisuseCall(f"slot {r}, start_pos {start}, num_tokens 1",
+                          lambda: hh.alloc_paged_token_slots(self.ref, r, start, 1),
+                          lambda: self.impl.alloc_paged_token_slots(r, start, 1))
 
+    @misuse("alloc_paged_token_slots", "row_overflow", when=lambda self: bool(self.running))
+    def _row_overflow(self, data: Any) -> MisuseCall:
+        r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
+        width, p = self.config.row_width, self.p
+        n = width // p * p + 1  # from 0: rounds up past the row
+        return MisuseCall(f"slot {r}, start_pos 0, num_tokens {n}", lambda: hh.alloc_paged_token_slots(self.ref, r, 0, n),
+                          lambda: self.impl.alloc_paged_token_slots(r, 0, n))
 
-def _hole(self: HostPoolMachine, data: st.DataObject) -> MisuseCall:
-    r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
-    start = len(self.ref.rows[r]) + data.draw(st.integers(1, 2 * self.p), label="past")
-    return ("alloc_paged_token_slots", f"slot {r}, start_pos {start}, num_tokens 1",
-            lambda: hh.alloc_paged_token_slots(self.ref, r, start, 1),
-            lambda: self.impl.alloc_paged_token_slots(r, start, 1))
+    @misuse("alloc_paged_token_slots", "slot_out_of_range")
+    def _slot_out_of_range(self, data: Any) -> MisuseCall:
+        r = data.draw(st.sampled_from([-1, self.config.max_req_slots]), label="request_slot")
+        return MisuseCall(f"slot {r}, start_pos 0, num_tokens 1", lambda: hh.alloc_paged_token_slots(self.ref, r, 0, 1),
+                          lambda: self.impl.alloc_paged_token_slots(r, 0, 1))
 
+    @misuse("admit_request_into_staging", "stage_occupied", when=lambda self: bool(self.running))
+    def _stage_occupied(self, data: Any) -> MisuseCall:
+        r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
+        values = self._values(1)
+        return MisuseCall(f"slot {r} (occupied), 1 token", lambda: hh.admit_request_into_staging(self.ref, r, values),
+                          lambda: self.impl.admit_request_into_staging(r, torch.tensor(values)))
 
-def _row_overflow(self: HostPoolMachine, data: st.DataObject) -> MisuseCall:
-    r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
-    width, p = self.config.row_width, self.p
-    n = width // p * p + 1  # from 0: rounds up past the row
-    return ("alloc_paged_token_slots", f"slot {r}, start_pos 0, num_tokens {n}",
-            lambda: hh.alloc_paged_token_slots(self.ref, r, 0, n), lambda: self.impl.alloc_paged_token_slots(r, 0, n))
-
-
-def _slot_out_of_range(self: HostPoolMachine, data: st.DataObject) -> MisuseCall:
-    r = data.draw(st.sampled_from([-1, self.config.max_req_slots]), label="request_slot")
-    return ("alloc_paged_token_slots", f"slot {r}, start_pos 0, num_tokens 1",
-            lambda: hh.alloc_paged_token_slots(self.ref, r, 0, 1), lambda: self.impl.alloc_paged_token_slots(r, 0, 1))
-
-
-def _stage_occupied(self: HostPoolMachine, data: st.DataObject) -> MisuseCall:
-    r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
-    values = self._values(1)
-    return ("admit_request_into_staging", f"slot {r} (occupied), 1 token",
-            lambda: hh.admit_request_into_staging(self.ref, r, values),
-            lambda: self.impl.admit_request_into_staging(r, torch.tensor(values)))
-
-
-def _backup_unstaged(self: HostPoolMachine, data: st.DataObject) -> MisuseCall:
-    r = data.draw(st.sampled_from(self._free_slots()), label="request_slot")
-    values = self._values(1)
-    return ("eager_backup_previous_token", f"slot {r} (empty): seq_len 3",
-            lambda: hh.eager_backup_previous_token(self.ref, [r], [3], values),
-            lambda: self.impl.eager_backup_previous_token(torch.tensor([r]), torch.tensor([3]), torch.tensor(values)))
+    @misuse("eager_backup_previous_token", "backup_unstaged", when=lambda self: bool(self._free_slots()))
+    def _backup_unstaged(self, data: Any) -> MisuseCall:
+        r = data.draw(st.sampled_from(self._free_slots()), label="request_slot")
+        values = self._values(1)
+        return MisuseCall(f"slot {r} (empty): seq_len 3",
+                          lambda: hh.eager_backup_previous_token(self.ref, [r], [3], values),
+                          lambda: self.impl.eager_backup_previous_token(torch.tensor([r]), torch.tensor([3]),
+                                                                        torch.tensor(values)))
 
 
-#: name -> (applicable?, build the call); every case must raise InvalidOperation on both sides.
-MISUSE_CASES: dict[str, tuple[Callable[[HostPoolMachine], bool], Callable[[HostPoolMachine, st.DataObject], MisuseCall]]] = {
-    "hole": (lambda m: bool(m.running), _hole),
-    "row_overflow": (lambda m: bool(m.running), _row_overflow),
-    "slot_out_of_range": (lambda m: True, _slot_out_of_range),
-    "stage_occupied": (lambda m: bool(m.running), _stage_occupied),
-    "backup_unstaged": (lambda m: bool(m._free_slots()), _backup_unstaged),
-}
-
-
-def machine_for(factory: HostPoolFactory, config: hh.HostPoolConfig, *, impl_name: str = "impl",
-                replay_hint: str = "") -> type[HostPoolMachine]:
-    """A fresh machine class bound to one implementation factory and one host pool config."""
-    return type(f"HostPoolMachine_{config.label().replace('-', '_')}", (HostPoolMachine,), {
-        "factory": staticmethod(factory), "config": config, "impl_name": impl_name,
-        "replay_hint": replay_hint, "stats": Stats(),
-    })
+SUITE = Suite(Component.HISPARSE_HOST, HostPoolMachine, HOST_CONFIGS)

@@ -20,36 +20,24 @@ translation must read back from the right SWA slot (the inherited KV comparison)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
 
+from kvproof.conformance.check import Suite
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.index_arena import IndexArena
-from kvproof.reference.contract import AllocatorFactory, Capability, LocCacheSystemUnderTest
-from kvproof.conformance.swa_allocator import RULE_CAPABILITIES as ALLOCATOR_RULES
-from kvproof.conformance.swa_allocator import Stats, SWAAllocatorMachine
-from kvproof.conformance.vector import recorded
+from kvproof.conformance.lockstep import Watched, operation, scenario
+from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as ref
-from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 
-__all__ = ["LocCacheMachine", "RULE_CAPABILITIES", "machine_for"]
+__all__ = ["SUITE", "LocCacheMachine"]
 
 C = Capability
-RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
-    **ALLOCATOR_RULES,
-    "new_storage": frozenset(),
-    "make_view": frozenset(),
-    "translate_loc_from_full_to_swa": frozenset(),
-    "prepare_batch": frozenset({C.FORWARD}),
-    "forward": frozenset({C.FORWARD, C.KV_BUFFER}),
-    "capture": frozenset({C.GRAPH_CAPTURE, C.KV_BUFFER}),
-    "replay": frozenset({C.GRAPH_CAPTURE, C.KV_BUFFER}),
-    "register_mapping": frozenset({C.REGISTER_MAPPING}),
-    "decode_step": frozenset({C.FORWARD, C.KV_BUFFER, C.ALLOC_DECODE, C.ALLOC_EXTEND}),
-}
 _CELL = 64  # bytes between fresh storages: room for 8 elements, so a reuse never overlaps a neighbour
 #: Mutators after which the last translated view is translated again: if the operation
 #: changed the mapping under a cached key without invalidating, this read is stale.
@@ -70,11 +58,8 @@ class Graph:
 class LocCacheMachine(SWAAllocatorMachine):
     """The allocator machine plus index memory, translations, forwards, capture/replay."""
 
-    impl: LocCacheSystemUnderTest  # type: ignore[assignment]
-    stats: ClassVar[Stats]
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
         self.arena = IndexArena(self.impl.device)
         self.memory = im.IndexMemory()
         self.tensors: dict[int, torch.Tensor] = {}
@@ -86,7 +71,8 @@ class LocCacheMachine(SWAAllocatorMachine):
         self.graph: Graph | None = None
         self.sticky: im.IndexView | None = None  # the last view translated on pool 0
         self.batch_len = 1  # tokens of the last forward: the next batch is often the same size
-        self.other = type(self).factory(self.config)  # pool 1: an idle pool of the same geometry
+        # pool 1: an idle pool of the same geometry, under the same deadline as pool 0
+        self.other = Watched(self._deadline("the factory (pool 1)", lambda: binding.factory(binding.config)), self)
 
     # ------------------------------------------------------------ index memory
 
@@ -111,17 +97,17 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     def _last_loc_tensor(self, values: list[int]) -> torch.Tensor:
         """During batch preparation ``last_loc`` takes the freed out_cache_loc address (the ABA of R2-a)."""
-        if self.phase != "prep" or self.reuse_base is None or not values or len(values) * 8 > _CELL:
+        base = self.reuse_base
+        if self.phase != "prep" or base is None or not values or len(values) * 8 > _CELL:
             return self._t(values)
-        return self._tensor(self._whole(self._store_at_reused(values)))
+        return self._tensor(self._whole(self._store_at_reused(values, base)))
 
-    def _store_at_reused(self, contents: list[int]) -> int:
-        """A new storage at the freed batch address; the temporary living there before dies."""
-        assert self.reuse_base is not None
+    def _store_at_reused(self, contents: list[int], base: int) -> int:
+        """A new storage at the freed batch address ``base``; the temporary living there before dies."""
         for sid, s in enumerate(self.memory.storages):
-            if s.alive and s.base == self.reuse_base:
+            if s.alive and s.base == base:
                 self.memory = im.free_storage(self.memory, sid)
-        return self._store(contents, self.reuse_base)
+        return self._store(contents, base)
 
     def _about_to_change(self, impl_slots: list[int]) -> None:
         """Quiet phase: the scheduler translates the slots a mutator is about to remap (e.g. PD transfer code);
@@ -140,55 +126,47 @@ class LocCacheMachine(SWAAllocatorMachine):
     def _slot_candidates(self) -> list[int]:
         """Implementation slots worth translating: live ones, the next free pages' slots, padding, -1."""
         live = [self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots]
-        free = [g * self.p for g in self._snapshot().full.free_pages[:3]]
+        free = [g * self.p for g in self.snapshot().full.free_pages[:3]]
         return sorted(set(live + free)) + [0, -1]
 
-    @rule(data=st.data())
-    @recorded
-    def new_storage(self, data: st.DataObject) -> None:
+    @operation(environment=True, data=st.data())
+    def new_storage(self, data: Any) -> None:
         """A new index tensor at a fresh address (creation rewrites no memory a key may cover)."""
         n = data.draw(st.integers(1, 4), label="numel")
         contents = data.draw(st.lists(st.sampled_from(self._slot_candidates()), min_size=n, max_size=n),
-                             label="contents")
+                             label="contents")  # slot numbers: plain values
         view = self._whole(self._store(contents))
         halves = [im.make_view(self.memory, view.storage, o, n // 2) for o in (0, n // 2)] if n % 2 == 0 else []
         self.views += [view, *halves]  # equal-length views of one storage at different offsets (S5)
-        self.stats.rules["new_storage"] += 1
-        self.last_op = "new_storage"
         self.trace.op(f"new_storage({self._describe(view)})")
 
-    @precondition(lambda self: any(v.numel >= 2 for v in self._alive_views()))
-    @rule(data=st.data())
-    @recorded
-    def make_view(self, data: st.DataObject) -> None:
+    @operation(environment=True, when=lambda self: any(v.numel >= 2 for v in self._alive_views()),
+               data=st.data())
+    def make_view(self, data: Any) -> None:
         """A view of an existing storage at another offset: same storage, its own address (S5)."""
-        base = data.draw(st.sampled_from([v for v in self._alive_views() if v.numel >= 2]), label="storage")
+        base = data.choose([v for v in self._alive_views() if v.numel >= 2], "storage")
         numel = data.draw(st.integers(1, base.numel - 1), label="numel")
         offset = base.offset + data.draw(st.integers(0, base.numel - numel), label="offset")
         view = im.make_view(self.memory, base.storage, offset, numel)
         self.views.append(view)
-        self.stats.rules["make_view"] += 1
-        self.last_op = "make_view"
         self.trace.op(f"make_view({self._describe(view)})")
 
     # ------------------------------------------------------------ translations
 
-    @precondition(lambda self: self.phase == "quiet" and self._alive_views())
-    @rule(data=st.data())
-    @recorded
-    def translate_loc_from_full_to_swa(self, data: st.DataObject) -> None:
+    @operation(when=lambda self: self.phase == "quiet" and self._alive_views(), data=st.data())
+    def translate_loc_from_full_to_swa(self, data: Any) -> None:
         """1-3 scheduler-side translations in a row (E1: only in the quiet phase), each on pool 0 or 1.
 
         Sometimes two equal-length views of one storage at different offsets, back to back (S5).
         """
         siblings = self._siblings()
         if siblings and data.draw(st.booleans(), label="sibling_views"):
-            first, second = data.draw(st.sampled_from(siblings), label="views")
+            first, second = data.choose(siblings, "views")
             self._translate(first, 0)
             self._translate(second, 0)
             return
         for _ in range(data.draw(st.integers(1, 3), label="translations")):
-            view = data.draw(st.sampled_from(self._alive_views()), label="view")
+            view = data.choose(self._alive_views(), "view")
             self._translate(view, data.draw(st.sampled_from([0, 1]), label="pool"))
 
     def _siblings(self) -> list[tuple[im.IndexView, im.IndexView]]:
@@ -205,59 +183,61 @@ class LocCacheMachine(SWAAllocatorMachine):
             self._translate(view, 0, aside="harness re-reads the last translated view")
 
     def _translate(self, view: im.IndexView, pool: int, *, aside: str | None = None) -> None:
+        """One translation on pool 0 or 1; it must equal that pool's own current mapping at the view's contents
+        (freshness; the mapping itself is compared with the reference after every step)."""
         target = self.impl if pool == 0 else self.other
         if pool == 0:
             self.sticky = view
-        self.stats.rules["translate_loc_from_full_to_swa"] += 1
-        self.last_op = "translate_loc_from_full_to_swa"
-        self.trace.op(f"translate_loc_from_full_to_swa(pool {pool}, {self._describe(view)})", aside=aside)
         contents = im.view_contents(self.memory, view)
-        want = [target.snapshot().full_to_swa_index_mapping[f] for f in contents]
-        try:
-            got = [int(x) for x in target.translate_loc_from_full_to_swa(self._tensor(view)).reshape(-1).tolist()]
-        except Exception as err:  # noqa: BLE001 - a crash is a verdict
-            self._fail(f"translate_loc_from_full_to_swa crashed with {type(err).__name__}: {err}")
+        mapping = self.snapshot(target).full_to_swa_index_mapping
+        want = [mapping[f] for f in contents]
+        out = self.call("translate_loc_from_full_to_swa", f"pool {pool}, {self._describe(view)}",
+                        lambda: (None, want), lambda: target.translate_loc_from_full_to_swa(self._tensor(view)),
+                        aside=aside)
+        if out is None:  # the reference side never fails
+            return
+        self.require_indices("translate_loc_from_full_to_swa", out[1], len(want))
+        got = [int(x) for x in out[1].reshape(-1).tolist()]
         if got != want:
-            self._fail(f"stale translation on pool {pool}: got {got}, but the mapping now gives {want} "
-                       f"for {list(contents)}")
-        self.trace.outcome(f" -> {got}")
-        self.stats.outcomes["ok"] += 1
+            self.fail(f"stale translation on pool {pool}: got {got}, but the mapping now gives {want} "
+                      f"for {list(contents)}")
+        self.trace.outcome(f" {got}")
+        self.last_op = "translate_loc_from_full_to_swa"
 
     # ------------------------------------------------------------ batches: preparation, forward, capture, replay
 
-    @precondition(lambda self: self._has(C.FORWARD) and self.phase == "quiet" and self.batch_storage is not None)
-    @rule()
-    @recorded
+    @scenario(needs={C.FORWARD}, when=lambda self: self.phase == "quiet" and self.batch_storage is not None)
     def prepare_batch(self) -> None:
         """The last batch's out_cache_loc is freed; the next batch's tensors may take its address."""
-        assert self.batch_storage is not None
+        self._prepare_batch()
+
+    def _prepare_batch(self) -> None:
         sid = self.batch_storage
+        if sid is None:  # nothing ran yet: nothing to free
+            return
         if self.memory.storages[sid].alive:
             self.memory = im.free_storage(self.memory, sid)
         self.reuse_base, self.phase = self.memory.storages[sid].base, "prep"
-        self.stats.rules["prepare_batch"] += 1
         self.last_op = "prepare_batch"
         self.trace.op(f"prepare_batch(address {self.reuse_base} is free again)")
 
-    @precondition(lambda self: self._has(C.FORWARD) and self._has(C.KV_BUFFER) and self.reqs)
-    @rule(data=st.data())
-    @recorded
-    def forward(self, data: st.DataObject) -> None:
+    @operation(needs={C.FORWARD, C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
+    def forward(self, data: Any) -> None:
         """One forward whose new tokens are a request's last k positions: every layer's KV through the translation."""
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        req = data.choose(self._requests(), "request")
         top = min(3, len(req.slots))
         same = self.batch_len <= top and data.draw(st.booleans(), label="same_batch_size")
         k = self.batch_len if same else data.draw(st.integers(1, top), label="tokens")
         if self.phase == "quiet" and self.batch_storage is not None and data.draw(st.booleans(), label="prepare"):
-            self.prepare_batch()  # the previous out_cache_loc is freed right before this batch
+            self._prepare_batch()  # the previous out_cache_loc is freed right before this batch
         self._forward_batch(data, req.slots[-k:], f"request {req.rid}")
 
-    def _forward_batch(self, data: st.DataObject, ref_slots: list[int], who: str) -> None:
+    def _forward_batch(self, data: Any, ref_slots: list[int], who: str) -> None:
         k = len(ref_slots)
         sid = self._batch_storage(data, self._impl_slots(ref_slots))
         rows = {layer: self._rows(k) for layer in range(self.config.kv.num_layers)}
         loc = self._tensor(self._whole(sid))
-        out = self._run("forward", f"{who}, out_cache_loc {self._describe(self._whole(sid))}",
+        out = self.call("forward", f"{who}, out_cache_loc {self._describe(self._whole(sid))}",
                         lambda: (self._ref_write(ref_slots, rows), None),
                         lambda: self.impl.forward(loc, *self._kv_tensors(rows, k)))
         if out:
@@ -270,23 +250,26 @@ class LocCacheMachine(SWAAllocatorMachine):
         if self._whole(sid) not in self.views:
             self.views.append(self._whole(sid))
 
-    @precondition(lambda self: self._has(C.FORWARD) and self._has(C.KV_BUFFER) and self._has(C.ALLOC_DECODE)
-                  and self._has(C.ALLOC_EXTEND) and any(self._extendable(r) for r in self.reqs.values()))
-    @rule(data=st.data())
-    @recorded
-    def decode_step(self, data: st.DataObject) -> None:
-        """A running batch's next step, as the scheduler does it: the last out_cache_loc is freed, the batch
-        grows (alloc_decode or alloc_extend; last_loc may land on the freed block), then a forward -- or a
-        replay -- writes the new tokens at an out_cache_loc that may reuse the block too, and sometimes the
-        scheduler reads that out_cache_loc afterwards (R2-a, the #26152 warning)."""
-        self.stats.rules["decode_step"] += 1
+    @scenario(needs={C.FORWARD, C.KV_BUFFER, C.ALLOC_DECODE, C.ALLOC_EXTEND},
+              when=lambda self: any(self._extendable(r) for r in self.reqs.values()), data=st.data())
+    def decode_step(self, data: Any) -> None:
+        """1-4 steps of a running batch in a row, as the scheduler runs them (a pointer-keyed cache goes stale
+        across consecutive batches: R2-a, #26152); each iteration is :meth:`_decode_iteration`."""
+        for _ in range(data.draw(st.integers(1, 4), label="iterations")):
+            if not any(self._extendable(r) for r in self.reqs.values()) or not self._decode_iteration(data):
+                return
+
+    def _decode_iteration(self, data: Any) -> bool:
+        """One step of a running batch: the last out_cache_loc is freed, the batch grows (alloc_decode or
+        alloc_extend; last_loc may land on the freed block), then a forward -- or a replay -- writes the new
+        tokens at an out_cache_loc that may reuse the block too, and sometimes the scheduler reads that
+        out_cache_loc afterwards (R2-a, the #26152 warning). ``False`` if the allocation failed."""
         if self.phase == "quiet" and self.batch_storage is not None:
-            self.prepare_batch()
+            self._prepare_batch()
         ready = [r for _, r in sorted(self.reqs.items()) if self._extendable(r)]
         graph = self.graph
         use_graph = graph is not None and len(ready) >= graph.numel and data.draw(st.booleans(), label="graph_batch")
-        if use_graph:
-            assert graph is not None
+        if use_graph and graph is not None:
             size, grow = graph.numel, 1  # a decode batch of the captured size replays the graph
         else:
             size = min(self.batch_len, len(ready)) if data.draw(st.booleans(), label="same_batch_size") else \
@@ -298,17 +281,17 @@ class LocCacheMachine(SWAAllocatorMachine):
         before = {r.rid: len(r.slots) for r in batch}
         self._extend(op, [(r.rid, len(r.slots), len(r.slots) + grow) for r in batch])
         if any(len(self.reqs[rid].slots) == n for rid, n in before.items() if rid in self.reqs):
-            return  # the allocation failed: the batch waits (still preparing)
+            return False  # the allocation failed: the batch waits (still preparing)
         ref_slots = [s for r in batch for s in self.reqs[r.rid].slots[before[r.rid]:]]
-        if use_graph:
-            assert graph is not None
+        if use_graph and graph is not None:
             self._replay_batch(data, graph, ref_slots, f"requests {[r.rid for r in batch]}")
         else:
             self._forward_batch(data, ref_slots, f"requests {[r.rid for r in batch]}")
         if self.batch_storage is not None and data.draw(st.booleans(), label="scheduler_reads_out_cache_loc"):
             self._translate(self._whole(self.batch_storage), 0, aside="scheduler reads the new out_cache_loc")
+        return True
 
-    def _batch_storage(self, data: st.DataObject, contents: list[int]) -> int:
+    def _batch_storage(self, data: Any, contents: list[int]) -> int:
         """out_cache_loc: at the freed address (batch preparation), in place, or fresh."""
         choices = ["fresh"]
         last = self.batch_storage
@@ -319,10 +302,9 @@ class LocCacheMachine(SWAAllocatorMachine):
             choices.append("in_place")
         how = choices[-1] if len(choices) > 1 and data.draw(st.booleans(), label="reuse") else data.draw(
             st.sampled_from(choices), label="out_cache_loc")
-        if how == "reuse_address":
-            return self._store_at_reused(contents)
-        if how == "in_place":
-            assert last is not None
+        if how == "reuse_address" and self.reuse_base is not None:
+            return self._store_at_reused(contents, self.reuse_base)
+        if how == "in_place" and last is not None:
             self.memory = im.write_index(self.memory, last, 0, contents)
             self.tensors[last].copy_(torch.tensor(contents, dtype=torch.int64))
             return last
@@ -343,35 +325,31 @@ class LocCacheMachine(SWAAllocatorMachine):
         return ({layer: torch.tensor(k, **to).reshape(shape) for layer, (k, _) in rows.items()},
                 {layer: torch.tensor(v, **to).reshape(shape) for layer, (_, v) in rows.items()})
 
-    @precondition(lambda self: self._has(C.GRAPH_CAPTURE) and self._has(C.KV_BUFFER) and self.graph is None)
-    @rule(numel=st.integers(1, 3))
-    @recorded
+    @operation(needs={C.GRAPH_CAPTURE, C.KV_BUFFER}, when=lambda self: self.graph is None, numel=st.integers(1, 3))
     def capture(self, numel: int) -> None:
         """Capture run_once on a static padding buffer (warm-ups, then the capture run)."""
         sid = self._store([0] * numel)
         zeros = {layer: [[0.0] * self.config.kv.row_width] * numel for layer in range(self.config.kv.num_layers)}
         static_k, static_v = self._kv_tensors({layer: (z, z) for layer, z in zeros.items()}, numel)
         static = self._tensor(self._whole(sid))
-        out = self._run("capture", f"static out_cache_loc {self._describe(self._whole(sid))}",
+        out = self.call("capture", f"static out_cache_loc {self._describe(self._whole(sid))}",
                         lambda: (self.ref, None), lambda: self.impl.capture(static, static_k, static_v))
         if out:
             self.graph = Graph(sid, numel, static_k, static_v)
 
-    @precondition(lambda self: self.graph is not None and any(len(r.slots) >= self.graph.numel
-                                                              for r in self.reqs.values()))
-    @rule(data=st.data())
-    @recorded
-    def replay(self, data: st.DataObject) -> None:
+    @operation(needs={C.GRAPH_CAPTURE, C.KV_BUFFER}, when=lambda self: self.graph is not None and any(
+        len(r.slots) >= self.graph.numel for r in self.reqs.values()), data=st.data())
+    def replay(self, data: Any) -> None:
         """Fill the static buffers with a batch (batch preparation), then replay the captured graph."""
         graph = self.graph
-        assert graph is not None
-        req = data.draw(st.sampled_from([r for _, r in sorted(self.reqs.items()) if len(r.slots) >= graph.numel]),
-                        label="request")
+        if graph is None:  # the declaration's `when` guarantees a graph
+            return
+        req = data.choose([r for _, r in sorted(self.reqs.items()) if len(r.slots) >= graph.numel], "request")
         if self.phase == "quiet" and self.batch_storage is not None and data.draw(st.booleans(), label="prepare"):
-            self.prepare_batch()
+            self._prepare_batch()
         self._replay_batch(data, graph, req.slots[-graph.numel:], f"request {req.rid}")
 
-    def _replay_batch(self, data: st.DataObject, graph: Graph, ref_slots: list[int], who: str) -> None:
+    def _replay_batch(self, data: Any, graph: Graph, ref_slots: list[int], who: str) -> None:
         impl_slots = self._impl_slots(ref_slots)
         batch = self._batch_storage(data, impl_slots)  # the batch's own out_cache_loc, copied into the static buffer
         self.memory = im.write_index(self.memory, graph.storage, 0, impl_slots)
@@ -381,7 +359,7 @@ class LocCacheMachine(SWAAllocatorMachine):
         for layer in rows:
             graph.k[layer].copy_(ks[layer])
             graph.v[layer].copy_(vs[layer])
-        out = self._run("replay", f"{who}, static out_cache_loc = {impl_slots}",
+        out = self.call("replay", f"{who}, static out_cache_loc = {impl_slots}",
                         lambda: (self._ref_write(ref_slots, rows), None), self.impl.replay)
         if out:
             self.ref = out[0][0]
@@ -389,22 +367,15 @@ class LocCacheMachine(SWAAllocatorMachine):
 
     # ------------------------------------------------------------ register_mapping
 
-    @precondition(lambda self: self._has(C.REGISTER_MAPPING) and self.pending is None and self.reqs)
-    @rule()
-    @recorded
+    @operation(needs={C.REGISTER_MAPPING}, when=lambda self: self.pending is None and self.reqs)
     def register_mapping(self) -> None:
         """A fresh mapping (every page free) registered with the same KV pool (#25889)."""
-        out = self._run("register_mapping", "", lambda: (ref.clear(self.ref), None), self.impl.register_mapping)
+        out = self.call("register_mapping", "", lambda: (ref.clear(self.ref), None), self.impl.register_mapping)
         if out:
             self.ref = out[0][0]
             self.reqs.clear()
             self.names.reset()
 
 
-def machine_for(factory: AllocatorFactory, config: PoolConfig, *, impl_name: str = "impl",
-                replay_hint: str = "") -> type[LocCacheMachine]:
-    """A fresh loc_cache machine class bound to one implementation factory and one config."""
-    return type(f"LocCacheMachine_{config.label().replace('-', '_')}", (LocCacheMachine,), {
-        "factory": staticmethod(factory), "config": config, "impl_name": impl_name,
-        "replay_hint": replay_hint, "stats": Stats(),
-    })
+
+SUITE = Suite(Component.LOC_CACHE, LocCacheMachine, CONFORMANCE_CONFIGS)

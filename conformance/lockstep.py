@@ -1,38 +1,177 @@
-"""Lockstep plumbing shared by every component's state machine (habit 6: failures that explain themselves).
+"""The lockstep framework every component suite is written in (habits 5-8).
 
-A component machine drives the pure reference and an implementation under test with
-the same operations and requires the same outcome class (success, ``OutOfMemory``,
-``InvalidOperation``; sglang_semantics.md §7 G4: a failed operation changes nothing).
-This module holds what does not depend on the component: the trace of operations by
-step, the run counters, the two error classes, and :class:`LockstepCore` with
-``_run`` (one call on both sides), ``_expect_failure`` and ``_fail`` (the op, the step,
-the trace and a replay command). The implementation must provide ``snapshot()`` and
-``capabilities``; the config must provide ``label()``.
+A suite is a :class:`Lockstep` subclass whose rules are *declared*, once, with
+:func:`operation` (a reference operation, named exactly like the reference function
+and the implementation's method) or :func:`scenario` (a harness step made of several
+operations, e.g. "the scheduler's next decode step"). The declaration carries the
+rule's capability needs and its extra precondition, and from it alone the framework
+
+* gates the rule: it runs only when the implementation declares what it needs
+  (``needs`` all, ``needs_any`` one of) and ``when`` holds; a rule whose needs are not
+  declared is reported *not applicable*, never silently skipped;
+* records each execution for replay (:mod:`kvproof.conformance.vector`): the rule's
+  arguments and every value it draws;
+* counts it (rule executions, operation calls, outcomes) in the run's :class:`RunStats`;
+* and hands the rule an implementation (``self.impl``) whose every method call runs
+  under the per-operation deadline, so a hung call anywhere is a verdict naming it.
+
+Misuse cases are declared the same way, on the operation they misuse, with
+:func:`misuse`: a method returning the :class:`MisuseCall` both sides must reject with
+``InvalidOperation``. One generic rule, ``misuse``, draws among the applicable cases
+(gated by ``Capability.REJECTS_MISUSE`` and the misused operation's own needs).
+
+Each operation runs on both sides through :meth:`Lockstep.call`, which requires the same
+outcome class (success, ``OutOfMemory``, ``InvalidOperation``; sglang_semantics.md §7 G4:
+a failed operation changes nothing) and turns anything else into a :class:`LockstepFailure`
+whose message names the operation, the step, the values, the operations so far and a
+replay command (habit 7). A machine is built from a :class:`Binding` (factory, config,
+options, the run's counters): no generated classes, no class-level state.
+
+Errors are of two kinds and never mixed: *verdicts* about the implementation
+(:class:`Verdict`: :class:`LockstepFailure`), and *harness errors*
+(:class:`HarnessError`): kvproof itself or its inputs are at fault.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import json
 import queue
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvproof.conformance.errors import HarnessBug, LockstepFailure
+from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 
-__all__ = ["LockstepFailure", "HarnessError", "OperationTimeout", "Trace", "Stats", "LockstepCore", "index_problem"]
+__all__ = ["Binding", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout", "RunStats", "Trace",
+           "check_after_each_step", "index_problem", "misuse", "operation", "scenario"]
+
+ConfigT = TypeVar("ConfigT")
+ImplT = TypeVar("ImplT")
+Needs = frozenset[Capability] | Callable[[Any], frozenset[Capability]]
+
+_OPERATION = "__kvproof_operation__"
+_MISUSE = "__kvproof_misuse__"
+_CHECK = "__kvproof_check__"
 
 
-class LockstepFailure(AssertionError):
-    """The implementation diverged; the message has the op, the step, the values and a replay hint."""
+# ---------------------------------------------------------------- declarations
 
 
-class HarnessError(RuntimeError):
-    """The harness itself generated a call the reference rejects: a bug in kvproof, not in the implementation."""
+@dataclass(frozen=True)
+class Operation:
+    """What a rule declares once: its name, its capability needs, its extra precondition."""
+
+    name: str
+    needs: Needs = frozenset()
+    needs_any: frozenset[Capability] = frozenset()
+    when: Callable[[Any], Any] | None = None
+    #: a reference operation (``True``) or a harness scenario made of several operations
+    is_operation: bool = True
+    #: performed on the environment (index memory, the scheduler), not a method of the implementation
+    environment: bool = False
+
+    def needs_on(self, config: Any) -> frozenset[Capability]:
+        """The capabilities this rule needs on ``config`` (a suite may make them depend on the page size)."""
+        return self.needs(config) if callable(self.needs) else self.needs
+
+    def applicable(self, caps: frozenset[Capability], config: Any) -> bool:
+        return self.needs_on(config) <= caps and (not self.needs_any or bool(self.needs_any & caps))
+
+
+@dataclass(frozen=True)
+class MisuseCase:
+    """A declared misuse of ``op``: ``when`` says the machine can stage it now."""
+
+    op: str
+    case: str
+    when: Callable[[Any], Any] | None
+    function: Callable[..., MisuseCall]
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}:{self.case}"
+
+
+@dataclass(frozen=True)
+class MisuseCall:
+    """The call a misuse case stages: both sides must raise ``InvalidOperation`` and change nothing."""
+
+    args: str
+    reference: Callable[[], Any]
+    implementation: Callable[[], Any]
+
+
+def _declare(op: Operation, strategies: Mapping[str, Any], target: Any) -> Callable[[Callable[..., Any]], Any]:
+    def decorate(function: Callable[..., Any]) -> Any:
+        @functools.wraps(function)
+        def body(self: Lockstep[Any, Any], **kwargs: Any) -> Any:
+            return self._execute(op, function, kwargs)
+
+        gated = precondition(lambda self: self._enabled(op))(body)
+        final = rule(target=target, **strategies)(gated) if target is not None else rule(**strategies)(gated)
+        setattr(final, _OPERATION, op)
+        return final
+
+    return decorate
+
+
+def operation(name: str | None = None, *, needs: Needs | Iterable[Capability] = frozenset(),
+              needs_any: Iterable[Capability] = (), when: Callable[[Any], Any] | None = None, target: Any = None,
+              environment: bool = False, **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a rule that performs the reference operation named like the method (or ``name``).
+
+    ``strategies`` are Hypothesis strategies for the method's arguments (``data=st.data()``
+    for draws that depend on the state); ``target`` is a Hypothesis ``Bundle`` the rule's
+    result goes to. The operation's name must be a function of the component's reference
+    module and a transition of its spec, and, unless it acts on the ``environment`` (index
+    memory, the scheduler), a method of the component's contract (``tests/test_registry.py``).
+    """
+    def decorate(function: Callable[..., Any]) -> Any:
+        caps = needs if callable(needs) else frozenset(needs)
+        op = Operation(name or function.__name__, caps, frozenset(needs_any), when, True, environment)
+        return _declare(op, strategies, target)(function)
+
+    return decorate
+
+
+def scenario(*, needs: Needs | Iterable[Capability] = frozenset(), needs_any: Iterable[Capability] = (),
+             when: Callable[[Any], Any] | None = None, target: Any = None,
+             **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Declare a harness step made of several operations (its name is the method's); gated and recorded alike."""
+    def decorate(function: Callable[..., Any]) -> Any:
+        caps = needs if callable(needs) else frozenset(needs)
+        op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True)
+        return _declare(op, strategies, target)(function)
+
+    return decorate
+
+
+def misuse(op: str, case: str, *, when: Callable[[Any], Any] | None = None
+           ) -> Callable[[Callable[..., MisuseCall]], Callable[..., MisuseCall]]:
+    """Declare a misuse case of operation ``op``; the method ``(self, data) -> MisuseCall`` stages it."""
+    def decorate(function: Callable[..., MisuseCall]) -> Callable[..., MisuseCall]:
+        setattr(function, _MISUSE, MisuseCase(op, case, when, function))
+        return function
+
+    return decorate
+
+
+def check_after_each_step(function: Callable[..., None]) -> Any:
+    """Declare the comparison run after every step (a Hypothesis invariant; replay runs it too)."""
+    setattr(function, _CHECK, True)
+    return invariant()(function)
+
+
+# ---------------------------------------------------------------- the deadline on implementation calls
 
 
 class OperationTimeout(BaseException):
@@ -55,7 +194,7 @@ class _Worker:
             fn, box, done = self._jobs.get()
             try:
                 box.append((True, fn()))
-            except BaseException as err:  # noqa: BLE001 - handed back to the caller
+            except BaseException as err:  # noqa: BLE001 - handed back to the calling thread, which re-raises it
                 box.append((False, err))
             done.set()
 
@@ -81,7 +220,7 @@ def _alarm(signum: int, frame: Any) -> None:
     raise OperationTimeout("no return within the per-operation timeout")
 
 
-def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
+def call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
     """``fn()`` under a deadline.
 
     On the main thread of a POSIX process the deadline is a ``SIGALRM`` timer (a few
@@ -111,6 +250,47 @@ def _call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
         raise
 
 
+class Watched:
+    """An implementation (or the KV pool it returns) as rules see it.
+
+    Every method call goes through the machine's deadline (:meth:`Lockstep._deadline`);
+    the result of a contract method listed in :data:`SERVICES` is wrapped too. Wrapped
+    objects are unwrapped when passed back; attributes that are not methods read through.
+    """
+
+    __slots__ = ("_machine", "_target")
+
+    def __init__(self, target: Any, machine: Lockstep[Any, Any]) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_machine", machine)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+        machine = self._machine
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(unwrap(a) for a in args)
+            kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+            result = machine._deadline(name, lambda: value(*args, **kwargs))
+            return Watched(result, machine) if name in SERVICES else result
+
+        return watched
+
+    def __repr__(self) -> str:
+        return f"Watched({self._target!r})"
+
+
+#: Methods of the contract (kvproof.reference.contract) that return an object the harness calls in turn.
+SERVICES = frozenset({"get_kvcache"})
+
+
+def unwrap(value: Any) -> Any:
+    """The object behind a :class:`Watched` (or ``value`` itself)."""
+    return object.__getattribute__(value, "_target") if isinstance(value, Watched) else value
+
+
 def index_problem(value: Any, n: int, device: Any) -> str | None:
     """What is wrong with ``value`` as ``n`` int64 slot indices on ``device`` (``None`` if nothing)."""
     import torch
@@ -125,6 +305,9 @@ def index_problem(value: Any, n: int, device: Any) -> str | None:
     if value.numel() != n:
         return f"{value.numel()} indices, the reference returned {n}"
     return None
+
+
+# ---------------------------------------------------------------- the trace and the counters
 
 
 class Trace:
@@ -163,73 +346,196 @@ class Trace:
 
 
 @dataclass
-class Stats:
-    """Per-run counters: rule executions, outcomes, steps, examples (reported by ``run_check``)."""
+class RunStats:
+    """One run's counters, shared by the machines of its examples (reported by ``run_check``)."""
 
-    rules: collections.Counter[str] = field(default_factory=collections.Counter)
+    rules: collections.Counter[str] = field(default_factory=collections.Counter)  # rule executions
+    calls: collections.Counter[str] = field(default_factory=collections.Counter)  # operations called on both sides
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     steps: int = 0
     examples: int = 0
     last_vector: list[dict[str, Any]] = field(default_factory=list)  # the latest example's steps (the failing one)
     hung: str = ""  # the verdict of a call that timed out (later examples stop at once)
     hung_vector: list[dict[str, Any]] = field(default_factory=list)
+    digest: Any = None  # hashlib object over every example's steps (the run's fingerprint)
 
 
-class LockstepCore(RuleBasedStateMachine):
-    """The implementation, the trace, the counters, and one call on both sides; no rules of its own."""
+@dataclass(frozen=True)
+class Binding(Generic[ConfigT]):
+    """What one run binds a machine to: the implementation factory, the config, the options, the counters."""
 
-    factory: ClassVar[Callable[[Any], Any]]
-    config: ClassVar[Any]
-    impl_name: ClassVar[str] = "impl"
-    replay_hint: ClassVar[str] = ""
-    stats: ClassVar[Stats]
-    op_timeout: ClassVar[float | None] = None  # seconds per implementation call; None: no watchdog thread
-    snapshot_type: ClassVar[type | None] = None  # what snapshot() must return
+    factory: Callable[[ConfigT], Any]
+    config: ConfigT
+    options: Mapping[str, Any] = field(default_factory=dict)
+    impl_name: str = "impl"
+    replay_hint: str = ""
+    op_timeout: float | None = None  # seconds per implementation call; None: no deadline
+    stats: RunStats = field(default_factory=RunStats)
+    recording: bool = True  # False while replaying a vector (its draws are replayed, not recorded)
 
-    def __init__(self) -> None:
+
+# ---------------------------------------------------------------- the machine
+
+
+class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
+    """The implementation, the trace, the counters and one call on both sides; rules come from subclasses."""
+
+    #: what ``snapshot()`` must return (``None``: not checked)
+    snapshot_type: ClassVar[type | None] = None
+    #: the declarations of the class, collected once per class (rules, misuse cases, per-step checks)
+    operations: ClassVar[dict[str, Operation]]
+    rule_methods: ClassVar[dict[str, str]]  # operation name -> the method that declares it
+    misuse_cases: ClassVar[dict[str, MisuseCase]]
+    checks: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ops: dict[str, Operation] = {}
+        methods: dict[str, str] = {}
+        cases: dict[str, MisuseCase] = {}
+        checks: dict[str, None] = {}
+        members = {name: member for klass in reversed(cls.__mro__) for name, member in vars(klass).items()}
+        for attr, member in sorted(members.items()):  # the class dicts: no descriptor (TestCase) is triggered
+            if (op := getattr(member, _OPERATION, None)) is not None:
+                ops[op.name], methods[op.name] = op, attr
+            if (case := getattr(member, _MISUSE, None)) is not None:
+                cases[case.name] = case
+            if getattr(member, _CHECK, False):
+                checks[attr] = None
+        cls.operations, cls.rule_methods, cls.misuse_cases, cls.checks = ops, methods, cases, tuple(checks)
+        unknown = sorted({c.op for c in cases.values()} - set(ops))
+        if unknown:
+            raise HarnessBug(f"{cls.__name__}: misuse cases of undeclared operations {unknown}")
+
+    def __init__(self, binding: Binding[ConfigT]) -> None:
         super().__init__()
+        self.binding = binding
+        self.config: ConfigT = binding.config
+        self.impl_name, self.op_timeout = binding.impl_name, binding.op_timeout
+        self.stats = binding.stats
         if self.stats.hung:  # an earlier example hung: never call the implementation again in this run
             raise LockstepFailure(self.stats.hung)
-        self.impl = type(self).factory(self.config)
-        self.caps = frozenset(self.impl.capabilities)
         self.trace = Trace()
         self.last_op = ""
         self.vector: list[dict[str, Any]] = []  # the steps so far, replayable (kvproof.conformance.vector)
         self.stats.examples += 1
         self.stats.last_vector = self.vector
+        built = self._deadline("the factory", lambda: binding.factory(binding.config))
+        self.caps: frozenset[Capability] = frozenset(built.capabilities)
+        self.impl: Any = Watched(built, self)
 
-    def _has(self, cap: Any) -> bool:
+    # ------------------------------------------------------------ declarations at work
+
+    @classmethod
+    def needs(cls, config: Any) -> dict[str, frozenset[Capability]]:
+        """Each rule's capability needs on ``config`` (``misuse`` needs REJECTS_MISUSE)."""
+        out = {name: op.needs_on(config) for name, op in sorted(cls.operations.items())}
+        if cls.misuse_cases:
+            out["misuse"] = frozenset({Capability.REJECTS_MISUSE})
+        return out
+
+    @classmethod
+    def not_applicable(cls, caps: frozenset[Capability], config: Any) -> tuple[str, ...]:
+        """Rules (and, for an implementation that rejects misuse, misuse cases) whose needs ``caps`` lacks."""
+        out = [name for name, op in sorted(cls.operations.items()) if not op.applicable(caps, config)]
+        if cls.misuse_cases and Capability.REJECTS_MISUSE not in caps:
+            out.append("misuse")
+        elif Capability.REJECTS_MISUSE in caps:
+            out += [f"misuse:{name}" for name, case in sorted(cls.misuse_cases.items())
+                    if not cls.operations[case.op].applicable(caps, config)]
+        return tuple(out)
+
+    def _enabled(self, op: Operation) -> bool:
+        return op.applicable(self.caps, self.config) and (op.when is None or bool(op.when(self)))
+
+    def teardown(self) -> None:
+        """End of an example: fold its steps into the run's fingerprint (same seed, same examples, same digest)."""
+        if self.stats.digest is not None:
+            self.stats.digest.update(json.dumps(self.vector, sort_keys=True, default=repr).encode())
+
+    def supports(self, cap: Capability) -> bool:
         return cap in self.caps
 
-    def _verdict(self, message: str) -> str:
+    def _execute(self, op: Operation, function: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """Run one rule: record it (kvproof.conformance.vector), count it, then its body."""
+        from kvproof.conformance.vector import begin_step
+
+        kwargs = begin_step(self, op.name, kwargs)
+        self.stats.rules[op.name] += 1
+        self.last_op = op.name
+        return function(self, **kwargs)
+
+    def _misuse_cases_now(self) -> list[str]:
+        """Cases whose operation the implementation supports and that the machine can stage now."""
+        return [name for name, case in sorted(self.misuse_cases.items())
+                if self.operations[case.op].applicable(self.caps, self.config)
+                and (case.when is None or bool(case.when(self)))]
+
+    def misuse_allowed(self) -> bool:
+        """A machine may ration misuse (e.g. every third step only) so it does not crowd out the lifecycle."""
+        return True
+
+    def misuse_enabled(self) -> bool:
+        """The generic ``misuse`` rule's precondition."""
+        return (bool(self.misuse_cases) and self.supports(Capability.REJECTS_MISUSE) and self.misuse_allowed()
+                and bool(self._misuse_cases_now()))
+
+    @precondition(lambda self: self.misuse_enabled())
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """A call that violates one documented precondition: both sides must raise InvalidOperation."""
+        from kvproof.conformance.vector import begin_step
+
+        kwargs = begin_step(self, "misuse", {"data": data})
+        self.stats.rules["misuse"] += 1
+        name = kwargs["data"].draw(st.sampled_from(self._misuse_cases_now()), label="case")
+        case = self.misuse_cases[name]
+        staged = case.function(self, kwargs["data"])
+        self.stats.rules[f"misuse:{name}"] += 1
+        self.call(case.op, f"{staged.args} [misuse: {case.case}]", staged.reference, staged.implementation,
+                  expect_misuse=True)
+
+    # ------------------------------------------------------------ verdicts
+
+    def verdict(self, message: str) -> str:
         """The op, the step, the values, the trace and a replay command."""
-        return (f"{self.impl_name} diverged from the reference [{self.config.label()}] at step {len(self.trace)}:\n"
-                f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.replay_hint}")
+        label = getattr(self.config, "label", lambda: "?")()
+        return (f"{self.impl_name} diverged from the reference [{label}] at step {len(self.trace)}:\n"
+                f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.binding.replay_hint}")
 
-    def _fail(self, message: str) -> None:
-        raise LockstepFailure(self._verdict(message))
+    def fail(self, message: str) -> Any:
+        """A verdict: raise :class:`LockstepFailure` with the full explanation (never returns)."""
+        raise LockstepFailure(self.verdict(message))
 
-    def _run(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any],
-             *, expect_misuse: bool = False) -> tuple[Any, Any] | None:
-        """Run ``op`` on both sides; same outcome class or a divergence. ``None`` if both failed."""
-        self.stats.rules[op] += 1
-        self.trace.op(f"{op}({args})")
+    # ------------------------------------------------------------ one operation on both sides
+
+    def call(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any],
+             *, expect_misuse: bool = False, aside: str | None = None) -> tuple[Any, Any] | None:
+        """Run ``op`` on both sides; same outcome class or a verdict. ``None`` if both failed alike.
+
+        The reference's ``InvalidOperation`` outside a misuse case is a harness bug (kvproof
+        generated a call its own contract rejects), never a verdict about the implementation.
+        """
+        self.stats.calls[op] += 1
+        self.trace.op(f"{op}({args})", aside=aside)
         self.last_op = op
         try:
             ref_result = ref_call()
         except (OutOfMemory, InvalidOperation) as err:
             if isinstance(err, InvalidOperation) and not expect_misuse:
-                raise HarnessError(f"harness generated an invalid call {op}({args}): {err}") from err
+                raise HarnessBug(f"harness generated an invalid call {op}({args}): {err}") from err
             self._expect_failure(op, err, impl_call)
             return None
         if expect_misuse:
-            raise HarnessError(f"misuse case {op}({args}) was accepted by the reference")
+            raise HarnessBug(f"misuse case {op}({args}) was accepted by the reference")
         try:
-            impl_result = self._call(op, impl_call)
+            impl_result = impl_call()
         except PoolError as err:
-            self._fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded")
+            self.fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded")
+        except LockstepFailure:
+            raise
         except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
-            self._fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded")
+            self.fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded")
         self.trace.outcome(" -> ok")
         self.stats.outcomes["ok"] += 1
         return ref_result, impl_result
@@ -237,52 +543,56 @@ class LockstepCore(RuleBasedStateMachine):
     def _expect_failure(self, op: str, ref_err: PoolError, impl_call: Callable[[], Any]) -> None:
         """The reference failed: the implementation must fail the same way and change nothing."""
         kind = type(ref_err)
-        before = self._snapshot()
+        before = self.snapshot()
         self.trace.outcome(f" -> {kind.__name__}")
         self.stats.outcomes[kind.__name__] += 1
         try:
-            self._call(op, impl_call)
+            impl_call()
         except kind:
             pass
+        except LockstepFailure:
+            raise
         except PoolError as err:
-            self._fail(f"{op} raised {type(err).__name__} ({err}); the reference raised {kind.__name__} ({ref_err})")
-        except Exception as err:  # noqa: BLE001
-            self._fail(f"{op} crashed with {type(err).__name__}: {err}; expected {kind.__name__} ({ref_err})")
+            self.fail(f"{op} raised {type(err).__name__} ({err}); the reference raised {kind.__name__} ({ref_err})")
+        except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
+            self.fail(f"{op} crashed with {type(err).__name__}: {err}; expected {kind.__name__} ({ref_err})")
         else:
-            self._fail(f"{op} succeeded; the reference raised {kind.__name__}: {ref_err}")
-        if self._snapshot() != before:
-            self._fail(f"{op} failed with {kind.__name__} but changed the allocator (a failed operation must "
-                       "leave the state unchanged)")
+            self.fail(f"{op} succeeded; the reference raised {kind.__name__}: {ref_err}")
+        if self.snapshot() != before:
+            self.fail(f"{op} failed with {kind.__name__} but changed the allocator (a failed operation must "
+                      "leave the state unchanged)")
 
-    # ------------------------------------------------------------ calls into the implementation
+    # ------------------------------------------------------------ observing the implementation
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _deadline(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` under the per-operation timeout; a timeout is a verdict naming ``what`` and the step."""
         try:
-            return _call_with_timeout(fn, self.op_timeout)
+            return call_with_timeout(fn, self.op_timeout)
         except OperationTimeout:
-            message = self._verdict(f"{what} did not return within {self.op_timeout:g} s (hung); the run stops here")
+            message = self.verdict(f"{what} did not return within {self.op_timeout:g} s (hung); the run stops here")
             self.stats.hung, self.stats.hung_vector = message, list(self.vector)
             raise LockstepFailure(message) from None
 
-    def _observe(self, what: str, fn: Callable[[], Any]) -> Any:
+    def observe(self, what: str, fn: Callable[[], Any]) -> Any:
         """An observation of the implementation (``snapshot()``, sizes): any exception is a verdict."""
         try:
-            return self._call(what, fn)
+            return fn()
         except LockstepFailure:
             raise
-        except Exception as err:  # noqa: BLE001
-            self._fail(f"{what} raised {type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - a broken observation is a verdict about the implementation
+            self.fail(f"{what} raised {type(err).__name__}: {err}")
 
-    def _snapshot(self) -> Any:
-        snap = self._observe("snapshot()", self.impl.snapshot)
+    def snapshot(self, target: Any = None) -> Any:
+        """The implementation's ``snapshot()`` (or that of ``target``, another watched object), of the
+        declared type, or a verdict."""
+        snap = self.observe("snapshot()", (self.impl if target is None else target).snapshot)
         want = self.snapshot_type
         if want is not None and not isinstance(snap, want):
-            self._fail(f"snapshot() returned a {type(snap).__name__}, not a {want.__name__}")
+            self.fail(f"snapshot() returned a {type(snap).__name__}, not a {want.__name__}")
         return snap
 
-    def _require_indices(self, op: str, value: Any, n: int) -> None:
+    def require_indices(self, op: str, value: Any, n: int) -> None:
         """The implementation returned ``n`` int64 indices on its device, or a verdict names what is wrong."""
         problem = index_problem(value, n, self.impl.device)
         if problem:
-            self._fail(f"{op} returned {problem}")
+            self.fail(f"{op} returned {problem}")

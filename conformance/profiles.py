@@ -8,6 +8,10 @@ example database and prints the reproduction blob; ``nightly`` is randomized,
 longer, and keeps every failing example in ``.kvproof/hypothesis`` so nothing
 found is lost between runs. ``dev`` is a short derandomized run; ``smoke`` a short
 randomized one (its seed is chosen and reported, ``--seed`` replays it).
+
+Each profile derives from Hypothesis' pristine ``default`` profile, not from whatever
+profile the process had loaded when kvproof was imported, so a user's conftest or the
+``CI`` variable cannot change what a kvproof profile means.
 """
 
 from __future__ import annotations
@@ -15,21 +19,25 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-__all__ = ["PROFILES", "get_profile", "DATABASE_DIR"]
+from kvproof.conformance.errors import UsageError
+
+__all__ = ["DATABASE_DIR", "PROFILES", "get_profile"]
 
 DATABASE_DIR = ".kvproof/hypothesis"
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 _NO_EXPLAIN = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
+_BASE = settings.get_profile("default")
+
 PROFILES: dict[str, settings] = {
-    "ci": settings(max_examples=60, stateful_step_count=30, derandomize=True, database=None,
+    "ci": settings(_BASE, max_examples=60, stateful_step_count=30, derandomize=True, database=None,
                    deadline=None, print_blob=True, suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN),
-    "nightly": settings(max_examples=2000, stateful_step_count=80, derandomize=False,
+    "nightly": settings(_BASE, max_examples=2000, stateful_step_count=80, derandomize=False,
                         database=DirectoryBasedExampleDatabase(DATABASE_DIR), deadline=None,
                         print_blob=True, suppress_health_check=_SLOW_OK),
-    "dev": settings(max_examples=15, stateful_step_count=20, derandomize=True, database=None,
+    "dev": settings(_BASE, max_examples=15, stateful_step_count=20, derandomize=True, database=None,
                     deadline=None, print_blob=True, suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN),
-    "smoke": settings(max_examples=15, stateful_step_count=20, derandomize=False, database=None,
+    "smoke": settings(_BASE, max_examples=15, stateful_step_count=20, derandomize=False, database=None,
                       deadline=None, print_blob=True, suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN),
 }
 for _name, _settings in PROFILES.items():
@@ -37,8 +45,8 @@ for _name, _settings in PROFILES.items():
 
 
 def get_profile(name: str) -> settings:
-    """The named profile; ``ValueError`` naming the choices for an unknown name."""
+    """The named profile; :class:`UsageError` naming the choices for an unknown name."""
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown Hypothesis profile {name!r}; choose one of {sorted(PROFILES)}") from None
+        raise UsageError(f"unknown Hypothesis profile {name!r}; choose one of {sorted(PROFILES)}") from None

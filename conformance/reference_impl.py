@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
@@ -56,7 +57,7 @@ class ReferenceAllocator:
     """Every operation delegates to the pure reference; failures raise the reference's errors."""
 
     capabilities = frozenset(Capability)
-    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
+    components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
     device = "cpu"
 
     def __init__(self, config: PoolConfig) -> None:
@@ -155,7 +156,7 @@ class ReferenceHostPool:
     """Component ``hisparse_host``: the pure reference (any coordinator) behind ``HostPoolUnderTest``."""
 
     capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
-    components = ("hisparse_host",)  # the suites it serves
+    components = frozenset({Component.HISPARSE_HOST})
     device = torch.device("cpu")
 
     def __init__(self, config: hh.HostPoolConfig) -> None:

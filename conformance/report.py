@@ -7,7 +7,7 @@
   the run, so stale entries do not linger. An entry that matches no test is a warning.
 * **Seed**: a run has a seed. Derandomized profiles (``ci``, ``dev``) derive it from the
   test itself; otherwise kvproof picks one (or takes ``--seed``) and forces it, so a
-  reported seed reproduces the run (``hypothesis.core.global_force_seed``).
+  reported seed reproduces the run (:mod:`kvproof.conformance.generation`).
 * **Reports**: JSON (``kvproof-report/1``) and JUnit XML carry the suite version, the
   implementation's name and version, the seed and, for each failure, its replayable
   vector (:mod:`kvproof.conformance.vector`).
@@ -21,21 +21,21 @@ import contextlib
 import datetime as _dt
 import importlib.metadata
 import json
-import random
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hypothesis
-import hypothesis.core
 
-from kvproof.conformance.check import CheckReport
+from kvproof.conformance.errors import UsageError
 
-__all__ = ["Selection", "Entry", "Outcome", "RunInfo", "load_selection", "forced_seed", "suite_version",
-           "impl_version", "write_json", "write_junit", "REPORT_FORMAT"]
+if TYPE_CHECKING:
+    from kvproof.conformance.check import CheckReport
+
+__all__ = ["REPORT_FORMAT", "Entry", "Outcome", "RunInfo", "Selection", "impl_version", "load_selection",
+           "suite_version", "write_json", "write_junit"]
 
 REPORT_FORMAT = "kvproof-report/1"
 
@@ -78,7 +78,7 @@ def _entries(path: str | Path) -> list[Entry]:
         if not pattern:
             continue
         if "/" not in pattern:
-            raise ValueError(f"{path}:{i}: entries look like 'component/config', got {pattern!r}")
+            raise UsageError(f"{path}:{i}: entries look like 'component/config', got {pattern!r}")
         entries.append(Entry(pattern, reason.strip() or "no reason given", f"{path}:{i}"))
     return entries
 
@@ -95,7 +95,7 @@ class Outcome:
     config: str
     status: str  # passed | failed | skipped | xfailed | xpassed
     reason: str = ""
-    report: CheckReport | None = None
+    report: CheckReport | None = None  # kvproof.conformance.check.CheckReport
 
     @property
     def ok(self) -> bool:
@@ -131,28 +131,12 @@ def impl_version(impl: Any, factory: Any) -> str:
     return "unknown"
 
 
-@contextlib.contextmanager
-def forced_seed(seed: int | None, derandomized: bool) -> Iterator[int | str]:
-    """Force Hypothesis' seed for non-derandomized runs (choosing one if none is given); yield what to report."""
-    if derandomized:
-        yield "derandomized (derived from each test)"
-        return
-    if not hasattr(hypothesis.core, "global_force_seed"):
-        raise RuntimeError(f"hypothesis {hypothesis.__version__} has no global_force_seed; cannot seed the run")
-    chosen = random.randrange(2**32) if seed is None else seed
-    previous = hypothesis.core.global_force_seed
-    hypothesis.core.global_force_seed = chosen
-    try:
-        yield chosen
-    finally:
-        hypothesis.core.global_force_seed = previous
-
-
 def _result(o: Outcome) -> dict[str, Any]:
     r = o.report
     out: dict[str, Any] = {"component": o.component, "config": o.config, "status": o.status, "reason": o.reason}
     if r is not None:
         out.update({"examples": r.examples, "steps": r.steps, "seconds": round(r.seconds, 3), "rules": r.rules,
+                    "calls": r.calls, "fingerprint": r.fingerprint, "capabilities": sorted(r.capabilities),
                     "outcomes": r.outcomes, "not_applicable": list(r.not_applicable),
                     "never_run": list(r.never_run), "failure": r.failure, "failure_file": r.failure_file,
                     "vector": r.vector})

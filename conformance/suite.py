@@ -1,20 +1,23 @@
-"""The conformance suites as pytest tests (collected with ``--pyargs kvproof.conformance.suite``).
+"""The conformance suites as pytest tests (``pytest --pyargs kvproof.conformance.suite``).
 
-Needs the plugin :mod:`kvproof.conformance.pytest_plugin` (``-p``, or installed via the
-``pytest11`` entry point). One test per component x config; a failure shows the
-lockstep verdict (operation, step, trace, replay command). Semantics: the suites cite
-sglang_semantics.md per component.
+Collected through the plugin :mod:`kvproof.conformance.pytest_plugin` (registered by the
+package): one test per component x config of the run plan, id ``component/config``. A
+failure shows the lockstep verdict (operation, step, trace, replay command). The suites
+cite sglang_semantics.md per component.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import pytest
 
-from kvproof.conformance.check import run_check
+from kvproof.conformance.errors import ConformanceFailure
+from kvproof.conformance.plan import PlannedTest
+from kvproof.conformance.pytest_plugin import kvproof_test_run
 
 
-def test_conformance(kvproof_case: tuple[str, Any], kvproof_factory: Any, kvproof_profile: str) -> None:
-    component, config = kvproof_case
-    report = run_check(component, kvproof_factory, config, profile=kvproof_profile,
-                       impl_name=getattr(kvproof_factory, "__qualname__", "impl"))
-    assert report.passed, report.failure
+def test_conformance(kvproof_test: PlannedTest, request: pytest.FixtureRequest) -> None:
+    outcome = kvproof_test_run(request, kvproof_test)
+    report = outcome.report
+    if report is None or not report.passed:
+        text = report.failure if report is not None else outcome.reason
+        raise ConformanceFailure(f"{kvproof_test.impl.spec} [{kvproof_test.test_id}]: {text}")

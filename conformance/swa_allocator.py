@@ -21,44 +21,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, precondition, rule
 
+from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
-from kvproof.conformance.lockstep import HarnessError, LockstepCore, LockstepFailure, Stats
-from kvproof.reference.contract import AllocatorFactory, Capability, SWAAllocatorUnderTest
-from kvproof.conformance.vector import recorded
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.reference.invariants import check_invariants
+from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["LockstepMachine", "SWAAllocatorMachine", "RULE_CAPABILITIES", "MISUSE_CASES", "machine_for", "HarnessError", "LockstepFailure"]
+__all__ = ["SUITE", "Pending", "Req", "Retracted", "SWAAllocatorMachine", "SWALockstep"]
 
 C = Capability
-#: Capabilities each rule needs; a rule whose needs are not declared is "not applicable".
-RULE_CAPABILITIES: dict[str, frozenset[Capability]] = {
-    "alloc": frozenset({C.ALLOC}),
-    "alloc_extend": frozenset({C.ALLOC_EXTEND}),
-    "alloc_decode": frozenset({C.ALLOC_DECODE}),
-    "alloc_extend_swa_tail": frozenset({C.ALLOC_EXTEND_SWA_TAIL}),
-    "free": frozenset(),
-    "free_swa": frozenset(),
-    "free_full": frozenset({C.FREE_FULL}),
-    "clear": frozenset(),
-    "backup_state": frozenset({C.BACKUP_RESTORE}),
-    "restore_state": frozenset({C.BACKUP_RESTORE}),
-    "set_kv_buffer": frozenset({C.KV_BUFFER}),
-    "set_full_to_swa_mapping": frozenset({C.SET_FULL_TO_SWA_MAPPING}),
-    "get_cpu_copy": frozenset({C.CPU_COPY}),
-    "load_cpu_copy": frozenset({C.CPU_COPY}),
-    "misuse": frozenset({C.REJECTS_MISUSE}),
-}
-_ALLOCATING = (C.ALLOC, C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)
 
 
 @dataclass
@@ -94,20 +76,18 @@ def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(1, top))
 
 
-class LockstepMachine(LockstepCore):
-    """Lockstep plumbing shared by the component machines: the implementation, the reference allocator,
-    the page renaming, the trace, one call on both sides (:meth:`_run`) and the comparison invariant.
+class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
+    """What the machines of the SWA composite allocator share (``swa_allocator``, ``loc_cache``,
+    ``decode_prealloc``): the reference allocator, the page renaming, the request table, the
+    calls that allocate and release, and the comparison after every step.
 
-    It has no rules of its own; :class:`SWAAllocatorMachine` and the decode-node machine add them.
+    It declares no rules; :class:`SWAAllocatorMachine` and the decode-node machine do.
     """
 
-    factory: ClassVar[AllocatorFactory]
-    config: ClassVar[PoolConfig]
-    impl: SWAAllocatorUnderTest
     snapshot_type = AllocatorSnapshot
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
         cfg = self.config
         self.p, self.w = cfg.page_size, cfg.sliding_window_size
         self.ref = ref.initial_state(cfg)
@@ -159,7 +139,7 @@ class LockstepMachine(LockstepCore):
             if grow and (not candidates or data.draw(st.booleans(), label="new_request")):
                 batch.append((self._new_rid(), 0, data.draw(_sizes(self.p, self.w, self._max_tokens()), label="seq_len")))
             elif candidates:
-                req = data.draw(st.sampled_from(candidates), label="request")
+                req = data.choose(candidates, "request")
                 grow_by = data.draw(_sizes(self.p, self.w, 2 * self.p + 2), label="extend_len") if grow else 1
                 batch.append((req.rid, len(req.slots), len(req.slots) + grow_by))
         return batch
@@ -174,11 +154,11 @@ class LockstepMachine(LockstepCore):
         ext = sum(seq) - sum(pre)
         args = ", ".join(f"request {r}: {p}->{s}" for r, p, s in batch)
         if op == "alloc_decode":
-            out = self._run(op, args, lambda: ref.alloc_decode(self.ref, seq, last, owners=rids),
+            out = self.call(op, args, lambda: ref.alloc_decode(self.ref, seq, last, owners=rids),
                             lambda: self.impl.alloc_decode(self._t(seq), self._cpu(seq),
                                                            self._last_loc_tensor(impl_last)))
         else:
-            out = self._run(op, args, lambda: ref.alloc_extend(self.ref, pre, seq, last, ext, owners=rids),
+            out = self.call(op, args, lambda: ref.alloc_extend(self.ref, pre, seq, last, ext, owners=rids),
                             lambda: self.impl.alloc_extend(self._t(pre), self._cpu(pre), self._t(seq), self._cpu(seq),
                                                            self._last_loc_tensor(impl_last), ext))
         if out:
@@ -187,13 +167,13 @@ class LockstepMachine(LockstepCore):
     def _adopt(self, op: str, out: tuple[Any, Any], grown: list[tuple[int, list[int], int]]) -> None:
         """Take the new reference state, bind the returned pages, extend the request table."""
         (state, ref_slots), impl_slots = out
-        self._require_indices(op, impl_slots, len(ref_slots))
+        self.require_indices(op, impl_slots, len(ref_slots))
         impl_list = [int(x) for x in impl_slots.reshape(-1).tolist()]
         self.ref = state
         try:
             self.names.bind_full(op, list(ref_slots), impl_list)
         except Divergence as err:
-            self._fail(str(err))
+            self.fail(str(err))
         at = 0
         for rid, old, n in grown:
             if n or old:
@@ -210,7 +190,7 @@ class LockstepMachine(LockstepCore):
         self._about_to_change(impl_slots)
         call = {"free": (ref.free, self.impl.free), "free_swa": (ref.free_swa, self.impl.free_swa),
                 "free_full": (ref.free_full, self.impl.free_full)}[op]
-        out = self._run(op, f"request {req.rid}, {where}", lambda: (call[0](self.ref, ref_slots), None),
+        out = self.call(op, f"request {req.rid}, {where}", lambda: (call[0](self.ref, ref_slots), None),
                         lambda: call[1](self._t(impl_slots)))
         if out:
             self.ref = out[0][0]
@@ -249,32 +229,32 @@ class LockstepMachine(LockstepCore):
         return k, v
 
     def _misuse(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any]) -> None:
-        self._run(op, args, ref_call, impl_call, expect_misuse=True)
+        self.call(op, args, ref_call, impl_call, expect_misuse=True)
 
     # ------------------------------------------------------------ the invariant
 
-    @invariant()
+    @check_after_each_step
     def agrees_with_reference(self) -> None:
         """Reference invariants hold; the implementation's state equals it under the renaming; KV rows agree."""
         self.stats.steps += 1
         self._after_step()
         check_invariants(self.ref)
         try:
-            snap = self._snapshot()
+            snap = self.snapshot()
             self.names.compare(self.ref, snap)
             for what, mine, theirs in (
-                ("available_size", ref.available_size(self.ref), self._observe("available_size()", self.impl.available_size)),
+                ("available_size", ref.available_size(self.ref), self.observe("available_size()", self.impl.available_size)),
                 ("full_available_size", ref.full_available_size(self.ref),
-                 self._observe("full_available_size()", self.impl.full_available_size)),
+                 self.observe("full_available_size()", self.impl.full_available_size)),
                 ("swa_available_size", ref.swa_available_size(self.ref),
-                 self._observe("swa_available_size()", self.impl.swa_available_size)),
+                 self.observe("swa_available_size()", self.impl.swa_available_size)),
             ):
                 if int(theirs) != mine:
-                    self._fail(f"{what}() = {theirs}, reference {mine}")
-            if self._has(C.KV_BUFFER):
-                self._observe("get_kvcache().get_kv_buffer()", self._compare_kv)
+                    self.fail(f"{what}() = {theirs}, reference {mine}")
+            if self.supports(C.KV_BUFFER):
+                self.observe("get_kvcache().get_kv_buffer()", self._compare_kv)
         except Divergence as err:
-            self._fail(str(err))
+            self.fail(str(err))
         self.trace.next_step()
 
     def _after_step(self) -> None:
@@ -283,7 +263,7 @@ class LockstepMachine(LockstepCore):
     def _compare_kv(self) -> None:
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
         kvpool = self.impl.get_kvcache()
-        snap_m = self._snapshot().full_to_swa_index_mapping
+        snap_m = self.snapshot().full_to_swa_index_mapping
         for layer in range(geo.num_layers):
             is_swa = geo.is_swa_layer(layer)
             pairs: list[tuple[int, int, int]] = []  # (ref slot, impl slot, rid)
@@ -305,44 +285,37 @@ class LockstepMachine(LockstepCore):
             for ((a, b, rid), row), have in zip(defined, got_rows, strict=True):
                 if tuple(have) != row:
                     kind = "SWA" if is_swa else "full"
-                    self._fail(f"KV of layer {layer} ({kind}) for request {rid}: reference slot {a} holds {list(row)}, "
+                    self.fail(f"KV of layer {layer} ({kind}) for request {rid}: reference slot {a} holds {list(row)}, "
                                f"implementation slot {b} holds {have}")
 
 
-class SWAAllocatorMachine(LockstepMachine):
+class SWAAllocatorMachine(SWALockstep):
     """The ``swa_allocator`` rules: every composite operation, drafts, retraction/resumption, misuse."""
 
-    @precondition(lambda self: self._has(C.ALLOC))
-    @rule(pages=st.integers(0, 4))
-    @recorded
+    @operation(needs={C.ALLOC}, pages=st.integers(0, 4))
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
-        self._about_to_change([g * self.p for g in self._snapshot().full.free_pages[:pages]])
-        out = self._run("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
+        self._about_to_change([g * self.p for g in self.snapshot().full.free_pages[:pages]])
+        out = self.call("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
                         lambda: self.impl.alloc(n))
         if out:
             self._adopt("alloc", out, [(rid, [], n)])
 
-    @precondition(lambda self: self._has(C.ALLOC_EXTEND))
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.ALLOC_EXTEND}, data=st.data())
     def alloc_extend(self, data: st.DataObject) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=True)
         self._extend("alloc_extend", batch)
 
-    @precondition(lambda self: self._has(C.ALLOC_DECODE) and any(self._extendable(r) for r in self.reqs.values()))
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.ALLOC_DECODE}, when=lambda self: any(self._extendable(r) for r in self.reqs.values()),
+               data=st.data())
     def alloc_decode(self, data: st.DataObject) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=False)
         self._extend("alloc_decode", [(rid, prefix, prefix + 1) for rid, prefix, _ in batch])
 
-    @precondition(lambda self: self._has(C.ALLOC_EXTEND_SWA_TAIL))
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.ALLOC_EXTEND_SWA_TAIL}, data=st.data())
     def alloc_extend_swa_tail(self, data: st.DataObject) -> None:
         existing = [r for r in self.reqs.values()]
-        req = data.draw(st.sampled_from(existing), label="request") if existing and data.draw(
+        req = data.choose(existing, "request") if existing and data.draw(
             st.integers(0, 3), label="extend_existing") == 0 else None
         prefix = len(req.slots) if req else 0
         seq = ceil_p(prefix, self.p) + data.draw(_sizes(self.p, self.w, self._max_tokens()), label="extend_len")
@@ -351,11 +324,11 @@ class SWAAllocatorMachine(LockstepMachine):
         tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
             st.sampled_from(valid), label="swa_tail_len")
         rid = req.rid if req else self._new_rid()
-        self._about_to_change([g * self.p + o for g in self._snapshot().full.free_pages[:2] for o in range(self.p)])
+        self._about_to_change([g * self.p + o for g in self.snapshot().full.free_pages[:2] for o in range(self.p)])
         last = req.slots[-1] if req else -1
         impl_last = self.names.impl_slot(last) if req else -1
         ext = seq - prefix
-        out = self._run(
+        out = self.call(
             "alloc_extend_swa_tail", f"prefix={prefix}, seq={seq}, swa_tail_len={tail}, request={rid}",
             lambda: ref.alloc_extend_swa_tail(self.ref, [prefix], [seq], [last], ext, tail, owners=[rid]),
             lambda: self.impl.alloc_extend_swa_tail(self._t([prefix]), self._cpu([prefix]), self._t([seq]),
@@ -363,11 +336,9 @@ class SWAAllocatorMachine(LockstepMachine):
         if out:
             self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
 
-    @precondition(lambda self: self.reqs and self.pending is None)
-    @rule(data=st.data())
-    @recorded
+    @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
     def free(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         if self._free_request(req):
             self.reqs.pop(req.rid)
 
@@ -376,10 +347,10 @@ class SWAAllocatorMachine(LockstepMachine):
         ``FREE_RELEASED_SWA`` and some position's SWA side is gone, ``free_swa`` of the still-mapped
         positions then ``free_full`` (``False``: neither is possible, the request stays)."""
         m = self.ref.full_to_swa_index_mapping
-        if self._has(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots):
+        if self.supports(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots):
             self._release("free", req, req.slots)
             return True
-        if not self._has(C.FREE_FULL):
+        if not self.supports(C.FREE_FULL):
             self.stats.rules["free:not_applicable"] += 1
             return False
         mapped = [s for s in req.slots if m[s] > 0]
@@ -388,11 +359,9 @@ class SWAAllocatorMachine(LockstepMachine):
         self._release("free_full", req, req.slots)
         return True
 
-    @precondition(lambda self: self.reqs and self.pending is None)
-    @rule(data=st.data())
-    @recorded
+    @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
     def free_swa(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         last_page_start = floor_p(len(req.slots) - 1, self.p)
         if last_page_start == 0 or data.draw(st.integers(0, 5), label="release_all") == 0:
             lo, hi = 0, len(req.slots)  # whole request, e.g. before free_full
@@ -402,7 +371,7 @@ class SWAAllocatorMachine(LockstepMachine):
             hi = data.draw(st.integers(1, last_page_start), label="evict_end")
             lo = data.draw(st.integers(0, hi - 1), label="evict_start")
         slots = req.slots[lo:hi]
-        if not self._has(C.FREE_RELEASED_SWA):  # only positions whose SWA side is still there
+        if not self.supports(C.FREE_RELEASED_SWA):  # only positions whose SWA side is still there
             m = self.ref.full_to_swa_index_mapping
             slots = [s for s in slots if m[s] > 0]
             if not slots:
@@ -410,70 +379,59 @@ class SWAAllocatorMachine(LockstepMachine):
                 return
         self._release("free_swa", req, slots, f"positions [{lo}, {hi})")
 
-    @precondition(lambda self: self._has(C.FREE_FULL) and self.pending is None and self._swa_released())
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.FREE_FULL}, when=lambda self: self.pending is None and self._swa_released(), data=st.data())
     def free_full(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(self._swa_released()), label="request")
+        req = data.choose(self._swa_released(), "request")
         self._release("free_full", req, req.slots)
         self.reqs.pop(req.rid)
 
-    @precondition(lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
-    @rule()
-    @recorded
+    @operation(when=lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
     def clear(self) -> None:
         self._about_to_change([self.names.impl_slot(s) for _, r in sorted(self.reqs.items()) for s in r.slots[-1:]])
-        out = self._run("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
+        out = self.call("clear", "", lambda: (ref.clear(self.ref), None), self.impl.clear)
         if out:
             self.ref = out[0][0]
             self.reqs.clear()
             self.pending = None
             self.names.reset()
 
-    @precondition(lambda self: self._has(C.SET_FULL_TO_SWA_MAPPING) and self.pending is None and self._swappable())
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.SET_FULL_TO_SWA_MAPPING}, when=lambda self: self.pending is None and self._swappable(),
+               data=st.data())
     def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
         """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
-        req, pages = data.draw(st.sampled_from(self._swappable()), label="request")
-        a, b = data.draw(st.sampled_from([(x, y) for x in pages for y in pages if x < y]), label="pages")
+        req, pages = data.choose(self._swappable(), "request")
+        a, b = data.choose([(x, y) for x in pages for y in pages if x < y], "pages")
         ref_full, ref_swa = self._swap(req, a, b, self.ref.full_to_swa_index_mapping, lambda s: s)
-        impl_m = self._snapshot().full_to_swa_index_mapping
+        impl_m = self.snapshot().full_to_swa_index_mapping
         impl_full, impl_swa = self._swap(req, a, b, impl_m, self.names.impl_slot)
         self._about_to_change(impl_full)
-        out = self._run("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
+        out = self.call("set_full_to_swa_mapping", f"request {req.rid}: swap the SWA pages of its full pages {a}, {b}",
                         lambda: (ref.set_full_to_swa_mapping(self.ref, ref_full, ref_swa), None),
                         lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
         if out:
             self.ref = out[0][0]
 
-    @precondition(lambda self: self._has(C.BACKUP_RESTORE) and self.pending is None and self.reqs)
-    @rule()
-    @recorded
+    @operation(needs={C.BACKUP_RESTORE}, when=lambda self: self.pending is None and self.reqs)
     def backup_state(self) -> None:
         """Speculative decoding drafts for running requests: nothing to draft for without one."""
-        out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
+        out = self.call("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
         if out:
             self.pending = Pending(out[0][0], out[1], {rid: list(r.slots) for rid, r in self.reqs.items()})
 
-    @precondition(lambda self: self.pending is not None)
-    @rule()
-    @recorded
+    @operation(needs={C.BACKUP_RESTORE}, when=lambda self: self.pending is not None)
     def restore_state(self) -> None:
         pending = self.pending
         assert pending is not None
-        out = self._run("restore_state", "", lambda: (ref.restore_state(self.ref, pending.ref_backup), None),
+        out = self.call("restore_state", "", lambda: (ref.restore_state(self.ref, pending.ref_backup), None),
                         lambda: self.impl.restore_state(pending.impl_backup))
         if out:
             self.ref = out[0][0]
             self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
             self.pending = None
 
-    @precondition(lambda self: self._has(C.KV_BUFFER) and self.reqs)
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
     def set_kv_buffer(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         layer = data.draw(st.integers(0, self.config.kv.num_layers - 1), label="layer_id")
         hi = data.draw(st.integers(1, len(req.slots)), label="end")
         lo = data.draw(st.integers(0, hi - 1), label="start")
@@ -482,7 +440,7 @@ class SWAAllocatorMachine(LockstepMachine):
         impl_slots = self._impl_slots(ref_slots)
         shape = (len(ref_slots), self.config.kv.head_num, self.config.kv.head_dim)
         dtype = self.impl.get_kvcache().get_kv_buffer(layer)[0].dtype
-        out = self._run(
+        out = self.call(
             "set_kv_buffer", f"layer_id={layer}, request {req.rid}, positions [{lo}, {hi})",
             lambda: (ref.set_kv_buffer(self.ref, layer, ref_slots, k, v), None),
             lambda: self.impl.get_kvcache().set_kv_buffer(
@@ -491,14 +449,12 @@ class SWAAllocatorMachine(LockstepMachine):
         if out:
             self.ref = out[0][0]
 
-    @precondition(lambda self: self._has(C.CPU_COPY) and self.reqs and self.pending is None)
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.CPU_COPY}, when=lambda self: self.reqs and self.pending is None, data=st.data())
     def get_cpu_copy(self, data: st.DataObject) -> None:
         """Retract: copy a request's KV to the CPU, then free it (§1.6)."""
-        req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
+        req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         impl_slots = self._impl_slots(req.slots)
-        out = self._run("get_cpu_copy", f"request {req.rid}, {len(req.slots)} positions",
+        out = self.call("get_cpu_copy", f"request {req.rid}, {len(req.slots)} positions",
                         lambda: (self.ref, ref.get_cpu_copy(self.ref, req.slots)),
                         lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
         if out:
@@ -506,25 +462,23 @@ class SWAAllocatorMachine(LockstepMachine):
                 self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
                 self.reqs.pop(req.rid)
 
-    @precondition(lambda self: self._has(C.CPU_COPY) and self.retracted and any(
-        self._has(c) for c in (C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL)))
-    @rule(data=st.data())
-    @recorded
+    @operation(needs={C.CPU_COPY}, needs_any={C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL},
+               when=lambda self: self.retracted, data=st.data())
     def load_cpu_copy(self, data: st.DataObject) -> None:
         """Resume: allocate the same positions again (tail or 1:1), then load the CPU copy (§2.8)."""
         index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
         saved = self.retracted[index]
         rid, n = self._new_rid(), saved.length
-        tail_ok = self._has(C.ALLOC_EXTEND_SWA_TAIL)
-        if tail_ok and (not self._has(C.ALLOC_EXTEND) or data.draw(st.booleans(), label="resume_with_tail")):
+        tail_ok = self.supports(C.ALLOC_EXTEND_SWA_TAIL)
+        if tail_ok and (not self.supports(C.ALLOC_EXTEND) or data.draw(st.booleans(), label="resume_with_tail")):
             tail = swa_tail_len(n, self.w, self.p)
-            out = self._run("alloc_extend_swa_tail", f"resume {n} positions as request {rid}, swa_tail_len={tail}",
+            out = self.call("alloc_extend_swa_tail", f"resume {n} positions as request {rid}, swa_tail_len={tail}",
                             lambda: ref.alloc_extend_swa_tail(self.ref, [0], [n], [-1], n, tail, owners=[rid]),
                             lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([n]),
                                                                     self._cpu([n]), self._t([-1]), n, tail))
             op = "alloc_extend_swa_tail"
         else:
-            out = self._run("alloc_extend", f"resume {n} positions as request {rid}",
+            out = self.call("alloc_extend", f"resume {n} positions as request {rid}",
                             lambda: ref.alloc_extend(self.ref, [0], [n], [-1], n, owners=[rid]),
                             lambda: self.impl.alloc_extend(self._t([0]), self._cpu([0]), self._t([n]), self._cpu([n]),
                                                            self._t([-1]), n))
@@ -533,180 +487,153 @@ class SWAAllocatorMachine(LockstepMachine):
             return
         self._adopt(op, out, [(rid, [], n)])
         slots = self.reqs[rid].slots
-        done = self._run("load_cpu_copy", f"request {rid}, {n} positions",
+        done = self.call("load_cpu_copy", f"request {rid}, {n} positions",
                          lambda: (ref.load_cpu_copy(self.ref, saved.ref_copy, slots), None),
                          lambda: self.impl.load_cpu_copy(saved.impl_copy, self._t(self._impl_slots(slots))))
         if done:
             self.ref = done[0][0]
             self.retracted.pop(index)
 
-    @precondition(lambda self: self._has(C.REJECTS_MISUSE))
-    @rule(data=st.data())
-    @recorded
-    def misuse(self, data: st.DataObject) -> None:
-        """A call that violates one documented precondition: both sides must raise InvalidOperation."""
-        cases = [name for name, (applies, _) in MISUSE_CASES.items() if applies(self)]
-        name = data.draw(st.sampled_from(cases), label="case")
-        MISUSE_CASES[name][1](self, data)
+    # ------------------------------------------------------------ misuse (REJECTS_MISUSE): both sides reject
 
+    def _requests(self) -> list[Req]:
+        return sorted(self.reqs.values(), key=lambda r: r.rid)
 
-def _has_free_page(machine: SWAAllocatorMachine) -> bool:
-    return len(machine.impl.snapshot().full.free_pages) > 0
+    def _has_free_page(self) -> bool:
+        return len(self.snapshot().full.free_pages) > 0
 
-
-def _double_free(op: str) -> Callable[[SWAAllocatorMachine, st.DataObject], None]:
-    def run(self: SWAAllocatorMachine, data: st.DataObject) -> None:
+    def _double_free(self, op: str) -> MisuseCall:
         p = self.p
-        ref_slot, impl_slot = self.ref.full.free_pages[0] * p, self._snapshot().full.free_pages[0] * p
+        ref_slot, impl_slot = self.ref.full.free_pages[0] * p, self.snapshot().full.free_pages[0] * p
         fn = {"free": (ref.free, self.impl.free), "free_swa": (ref.free_swa, self.impl.free_swa)}[op]
-        self._misuse(op, f"free_index=[{ref_slot}] (a free page: double free)",
-                     lambda: (fn[0](self.ref, [ref_slot]), None), lambda: fn[1](self._t([impl_slot])))
-    return run
+        return MisuseCall(f"free_index=[{ref_slot}] (a free page: double free)",
+                          lambda: (fn[0](self.ref, [ref_slot]), None), lambda: fn[1](self._t([impl_slot])))
+
+    @misuse("free", "double_free", when=lambda self: self.pending is None and self._has_free_page())
+    def _free_double_free(self, data: Any) -> MisuseCall:
+        return self._double_free("free")
+
+    @misuse("free_swa", "double_free", when=lambda self: self.pending is None and self._has_free_page())
+    def _free_swa_double_free(self, data: Any) -> MisuseCall:
+        return self._double_free("free_swa")
+
+    @misuse("free", "reserved_page", when=lambda self: self.pending is None)
+    def _free_reserved(self, data: Any) -> MisuseCall:
+        slot = data.draw(st.integers(0, self.p - 1), label="slot")
+        return MisuseCall(f"free_index=[{slot}] (reserved page 0)", lambda: (ref.free(self.ref, [slot]), None),
+                          lambda: self.impl.free(self._t([slot])))
+
+    @misuse("free", "out_of_range", when=lambda self: self.pending is None)
+    def _free_out_of_range(self, data: Any) -> MisuseCall:
+        slot = (self.config.num_pages_full + 1) * self.p
+        return MisuseCall(f"free_index=[{slot}] (past the pool)", lambda: (ref.free(self.ref, [slot]), None),
+                          lambda: self.impl.free(self._t([slot])))
+
+    @misuse("free", "duplicate_slot", when=lambda self: self.pending is None and bool(self.reqs))
+    def _free_duplicate(self, data: Any) -> MisuseCall:
+        req = data.choose(self._requests(), "request")
+        r = [req.slots[0], req.slots[0]]
+        return MisuseCall(f"request {req.rid}, its first slot twice", lambda: (ref.free(self.ref, r), None),
+                          lambda: self.impl.free(self._t(self._impl_slots(r))))
+
+    def _live_swa_peer(self) -> list[Req]:
+        m = self.ref.full_to_swa_index_mapping
+        return [r for _, r in sorted(self.reqs.items()) if any(m[s] > 0 for s in r.slots)]
+
+    @misuse("free_full", "live_swa_peer", when=lambda self: self.pending is None and bool(self._live_swa_peer()))
+    def _free_full_live_peer(self, data: Any) -> MisuseCall:
+        req = data.choose(self._live_swa_peer(), "request")
+        return MisuseCall(f"request {req.rid} (its SWA side is still live)",
+                          lambda: (ref.free_full(self.ref, req.slots), None),
+                          lambda: self.impl.free_full(self._t(self._impl_slots(req.slots))))
+
+    @misuse("alloc", "unaligned_size")
+    def _alloc_unaligned(self, data: Any) -> MisuseCall:
+        n = data.draw(st.sampled_from([-1] + ([self.p + 1] if self.p > 1 else [])), label="need_size")
+        return MisuseCall(f"need_size={n}", lambda: ref.alloc(self.ref, n), lambda: self.impl.alloc(n))
+
+    @misuse("alloc_extend", "last_loc_without_prefix", when=lambda self: bool(self.reqs))
+    def _extend_bad_last_loc(self, data: Any) -> MisuseCall:
+        req = data.choose(self._requests(), "request")
+        n = len(req.slots)
+        return MisuseCall(f"request {req.rid}: {n}->{n + 1} with last_loc=-1",
+                          lambda: ref.alloc_extend(self.ref, [n], [n + 1], [-1], 1),
+                          lambda: self.impl.alloc_extend(self._t([n]), self._cpu([n]), self._t([n + 1]),
+                                                         self._cpu([n + 1]), self._t([-1]), 1))
+
+    @misuse("alloc_extend", "extend_num_tokens")
+    def _extend_bad_count(self, data: Any) -> MisuseCall:
+        return MisuseCall("0->3 with extend_num_tokens=2", lambda: ref.alloc_extend(self.ref, [0], [3], [-1], 2),
+                          lambda: self.impl.alloc_extend(self._t([0]), self._cpu([0]), self._t([3]), self._cpu([3]),
+                                                         self._t([-1]), 2))
+
+    @misuse("alloc_extend_swa_tail", "unaligned_tail", when=lambda self: self.p > 1)
+    def _tail_unaligned(self, data: Any) -> MisuseCall:
+        seq = data.draw(st.integers(self.p + 1, 3 * self.p + 1), label="seq_len")
+        tail = seq - 1  # tail starts at position 1, not a page boundary (U1)
+        return MisuseCall(f"0->{seq}, swa_tail_len={tail} (tail start not page aligned)",
+                          lambda: ref.alloc_extend_swa_tail(self.ref, [0], [seq], [-1], seq, tail),
+                          lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([seq]),
+                                                                  self._cpu([seq]), self._t([-1]), seq, tail))
+
+    def _not_extendable(self) -> list[Req]:
+        return [r for _, r in sorted(self.reqs.items()) if not self._extendable(r)]
+
+    @misuse("alloc_decode", "swa_released", when=lambda self: bool(self._not_extendable()))
+    def _decode_swa_released(self, data: Any) -> MisuseCall:
+        req = data.choose(self._not_extendable(), "request")
+        n, last = len(req.slots), req.slots[-1]
+        return MisuseCall(f"request {req.rid} at {n + 1} (its last page's SWA side is released: M5)",
+                          lambda: ref.alloc_decode(self.ref, [n + 1], [last]),
+                          lambda: self.impl.alloc_decode(self._t([n + 1]), self._cpu([n + 1]),
+                                                         self._t([self.names.impl_slot(last)])))
+
+    @misuse("restore_state", "after_release", when=lambda self: self.pending is None and bool(self.reqs))
+    def _restore_after_release(self, data: Any) -> MisuseCall:
+        req = data.choose(self._requests(), "request")
+        out = self.call("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
+        if out is None:  # backup_state never fails in the reference
+            self.fail("backup_state failed on both sides")
+        ref_backup, impl_backup = out[0][0], out[1]
+        self._release("free", req, req.slots)
+        self.reqs.pop(req.rid)
+        return MisuseCall("after a free since backup_state", lambda: (ref.restore_state(self.ref, ref_backup), None),
+                          lambda: self.impl.restore_state(impl_backup))
+
+    @misuse("set_kv_buffer", "bad_layer", when=lambda self: bool(self.reqs))
+    def _set_kv_bad_layer(self, data: Any) -> MisuseCall:
+        req = data.choose(self._requests(), "request")
+        layer, geo = self.config.kv.num_layers, self.config.kv
+        rows = torch.zeros((1, geo.head_num, geo.head_dim), dtype=self.impl.get_kvcache().get_kv_buffer(0)[0].dtype)
+        return MisuseCall(f"layer_id={layer} (no such layer)",
+                          lambda: (ref.set_kv_buffer(self.ref, layer, req.slots[:1], [[0.0] * geo.row_width],
+                                                     [[0.0] * geo.row_width]), None),
+                          lambda: self.impl.get_kvcache().set_kv_buffer(
+                              layer, self._t(self._impl_slots(req.slots[:1])), rows, rows))
+
+    def _two_mapped(self) -> list[tuple[Req, Req]]:
+        m = self.ref.full_to_swa_index_mapping
+        mapped = [r for _, r in sorted(self.reqs.items()) if m[r.slots[-1]] > 0]
+        return [(a, b) for a in mapped for b in mapped if a.rid != b.rid]
+
+    @misuse("set_full_to_swa_mapping", "foreign_swa_slot", when=lambda self: bool(self._two_mapped()))
+    def _remap_foreign(self, data: Any) -> MisuseCall:
+        m = self.ref.full_to_swa_index_mapping
+        mine, theirs = data.choose(self._two_mapped(), "requests")
+        f, s = mine.slots[-1], theirs.slots[-1]
+        impl_m = self.snapshot().full_to_swa_index_mapping
+        return MisuseCall(f"request {mine.rid}'s slot to request {theirs.rid}'s SWA slot",
+                          lambda: (ref.set_full_to_swa_mapping(self.ref, [f], [m[s]]), None),
+                          lambda: self.impl.set_full_to_swa_mapping(self._t([self.names.impl_slot(f)]),
+                                                                    self._t([impl_m[self.names.impl_slot(s)]])))
+
+    @misuse("set_full_to_swa_mapping", "lengths", when=lambda self: bool(self.reqs))
+    def _remap_lengths(self, data: Any) -> MisuseCall:
+        req = data.choose(self._requests(), "request")
+        return MisuseCall(f"request {req.rid}: one full slot, two SWA slots",
+                          lambda: (ref.set_full_to_swa_mapping(self.ref, req.slots[:1], [0, 0]), None),
+                          lambda: self.impl.set_full_to_swa_mapping(self._t(self._impl_slots(req.slots[:1])),
+                                                                    self._t([0, 0])))
 
 
-def _free_reserved(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    slot = data.draw(st.integers(0, self.p - 1), label="slot")
-    self._misuse("free", f"free_index=[{slot}] (reserved page 0)", lambda: (ref.free(self.ref, [slot]), None),
-                 lambda: self.impl.free(self._t([slot])))
-
-
-def _free_out_of_range(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    slot = (self.config.num_pages_full + 1) * self.p
-    self._misuse("free", f"free_index=[{slot}] (past the pool)", lambda: (ref.free(self.ref, [slot]), None),
-                 lambda: self.impl.free(self._t([slot])))
-
-
-def _free_duplicate(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-    r = [req.slots[0], req.slots[0]]
-    self._misuse("free", f"request {req.rid}, its first slot twice", lambda: (ref.free(self.ref, r), None),
-                 lambda: self.impl.free(self._t(self._impl_slots(r))))
-
-
-def _free_full_live_peer(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    m = self.ref.full_to_swa_index_mapping
-    req = data.draw(st.sampled_from([r for _, r in sorted(self.reqs.items()) if any(m[s] > 0 for s in r.slots)]),
-                    label="request")
-    self._misuse("free_full", f"request {req.rid} (its SWA side is still live)",
-                 lambda: (ref.free_full(self.ref, req.slots), None),
-                 lambda: self.impl.free_full(self._t(self._impl_slots(req.slots))))
-
-
-def _alloc_unaligned(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    n = data.draw(st.sampled_from([-1] + ([self.p + 1] if self.p > 1 else [])), label="need_size")
-    self._misuse("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n), lambda: self.impl.alloc(n))
-
-
-def _extend_bad_last_loc(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-    n = len(req.slots)
-    self._misuse("alloc_extend", f"request {req.rid}: {n}->{n + 1} with last_loc=-1",
-                 lambda: ref.alloc_extend(self.ref, [n], [n + 1], [-1], 1),
-                 lambda: self.impl.alloc_extend(self._t([n]), self._cpu([n]), self._t([n + 1]), self._cpu([n + 1]),
-                                                self._t([-1]), 1))
-
-
-def _extend_bad_count(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    self._misuse("alloc_extend", "0->3 with extend_num_tokens=2",
-                 lambda: ref.alloc_extend(self.ref, [0], [3], [-1], 2),
-                 lambda: self.impl.alloc_extend(self._t([0]), self._cpu([0]), self._t([3]), self._cpu([3]),
-                                                self._t([-1]), 2))
-
-
-def _tail_unaligned(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    seq = data.draw(st.integers(self.p + 1, 3 * self.p + 1), label="seq_len")
-    tail = seq - 1  # tail starts at position 1, not a page boundary (U1)
-    self._misuse("alloc_extend_swa_tail", f"0->{seq}, swa_tail_len={tail} (tail start not page aligned)",
-                 lambda: ref.alloc_extend_swa_tail(self.ref, [0], [seq], [-1], seq, tail),
-                 lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([seq]),
-                                                         self._cpu([seq]), self._t([-1]), seq, tail))
-
-
-def _decode_swa_released(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from([r for _, r in sorted(self.reqs.items()) if not self._extendable(r)]),
-                    label="request")
-    n, last = len(req.slots), req.slots[-1]
-    self._misuse("alloc_decode", f"request {req.rid} at {n + 1} (its last page's SWA side is released: M5)",
-                 lambda: ref.alloc_decode(self.ref, [n + 1], [last]),
-                 lambda: self.impl.alloc_decode(self._t([n + 1]), self._cpu([n + 1]),
-                                                self._t([self.names.impl_slot(last)])))
-
-
-def _restore_after_release(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-    out = self._run("backup_state", "", lambda: (ref.backup_state(self.ref), None), self.impl.backup_state)
-    assert out is not None
-    ref_backup, impl_backup = out[0][0], out[1]
-    self._release("free", req, req.slots)
-    self.reqs.pop(req.rid)
-    self._misuse("restore_state", "after a free since backup_state", lambda: (ref.restore_state(self.ref, ref_backup), None),
-                 lambda: self.impl.restore_state(impl_backup))
-
-
-def _set_kv_bad_layer(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-    layer, geo = self.config.kv.num_layers, self.config.kv
-    rows = torch.zeros((1, geo.head_num, geo.head_dim), dtype=self.impl.get_kvcache().get_kv_buffer(0)[0].dtype)
-    self._misuse("set_kv_buffer", f"layer_id={layer} (no such layer)",
-                 lambda: (ref.set_kv_buffer(self.ref, layer, req.slots[:1], [[0.0] * geo.row_width],
-                                            [[0.0] * geo.row_width]), None),
-                 lambda: self.impl.get_kvcache().set_kv_buffer(layer, self._t(self._impl_slots(req.slots[:1])),
-                                                               rows, rows))
-
-
-def _remap_foreign(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    m = self.ref.full_to_swa_index_mapping
-    mine, theirs = data.draw(st.sampled_from(_two_mapped(self)), label="requests")
-    f, s = mine.slots[-1], theirs.slots[-1]
-    impl_m = self._snapshot().full_to_swa_index_mapping
-    self._misuse("set_full_to_swa_mapping", f"request {mine.rid}'s slot to request {theirs.rid}'s SWA slot",
-                 lambda: (ref.set_full_to_swa_mapping(self.ref, [f], [m[s]]), None),
-                 lambda: self.impl.set_full_to_swa_mapping(self._t([self.names.impl_slot(f)]),
-                                                           self._t([impl_m[self.names.impl_slot(s)]])))
-
-
-def _two_mapped(self: SWAAllocatorMachine) -> list[tuple[Req, Req]]:
-    m = self.ref.full_to_swa_index_mapping
-    mapped = [r for _, r in sorted(self.reqs.items()) if m[r.slots[-1]] > 0]
-    return [(a, b) for a in mapped for b in mapped if a.rid != b.rid]
-
-
-def _remap_lengths(self: SWAAllocatorMachine, data: st.DataObject) -> None:
-    req = data.draw(st.sampled_from(sorted(self.reqs.values(), key=lambda r: r.rid)), label="request")
-    self._misuse("set_full_to_swa_mapping", f"request {req.rid}: one full slot, two SWA slots",
-                 lambda: (ref.set_full_to_swa_mapping(self.ref, req.slots[:1], [0, 0]), None),
-                 lambda: self.impl.set_full_to_swa_mapping(self._t(self._impl_slots(req.slots[:1])), self._t([0, 0])))
-
-
-_Case = tuple[Callable[[SWAAllocatorMachine], bool], Callable[[SWAAllocatorMachine, st.DataObject], None]]
-#: Misuse cases ``"op:case"`` -> (applicable?, run). Each must be rejected by the reference and the implementation.
-MISUSE_CASES: dict[str, _Case] = {
-    "free:double_free": (lambda m: m.pending is None and _has_free_page(m), _double_free("free")),
-    "free:reserved_page": (lambda m: m.pending is None, _free_reserved),
-    "free:out_of_range": (lambda m: m.pending is None, _free_out_of_range),
-    "free:duplicate_slot": (lambda m: m.pending is None and bool(m.reqs), _free_duplicate),
-    "free_swa:double_free": (lambda m: m.pending is None and _has_free_page(m), _double_free("free_swa")),
-    "free_full:live_swa_peer": (lambda m: m._has(C.FREE_FULL) and m.pending is None and any(
-        any(m.ref.full_to_swa_index_mapping[s] > 0 for s in r.slots) for r in m.reqs.values()), _free_full_live_peer),
-    "alloc:unaligned_size": (lambda m: m._has(C.ALLOC), _alloc_unaligned),
-    "alloc_extend:last_loc_without_prefix": (lambda m: m._has(C.ALLOC_EXTEND) and bool(m.reqs), _extend_bad_last_loc),
-    "alloc_extend:extend_num_tokens": (lambda m: m._has(C.ALLOC_EXTEND), _extend_bad_count),
-    "alloc_extend_swa_tail:unaligned_tail": (lambda m: m._has(C.ALLOC_EXTEND_SWA_TAIL) and m.p > 1, _tail_unaligned),
-    "alloc_decode:swa_released": (lambda m: m._has(C.ALLOC_DECODE) and any(
-        not m._extendable(r) for r in m.reqs.values()), _decode_swa_released),
-    "restore_state:after_release": (lambda m: m._has(C.BACKUP_RESTORE) and m.pending is None and bool(m.reqs),
-                                    _restore_after_release),
-    "set_kv_buffer:bad_layer": (lambda m: m._has(C.KV_BUFFER) and bool(m.reqs), _set_kv_bad_layer),
-    "set_full_to_swa_mapping:foreign_swa_slot": (lambda m: m._has(C.SET_FULL_TO_SWA_MAPPING) and bool(_two_mapped(m)),
-                                                 _remap_foreign),
-    "set_full_to_swa_mapping:lengths": (lambda m: m._has(C.SET_FULL_TO_SWA_MAPPING) and bool(m.reqs), _remap_lengths),
-}
-
-
-def machine_for(factory: AllocatorFactory, config: PoolConfig, *, impl_name: str = "impl",
-                replay_hint: str = "") -> type[SWAAllocatorMachine]:
-    """A fresh machine class bound to one implementation factory and one config."""
-    return type(f"SWAAllocatorMachine_{config.label().replace('-', '_')}", (SWAAllocatorMachine,), {
-        "factory": staticmethod(factory), "config": config, "impl_name": impl_name,
-        "replay_hint": replay_hint, "stats": Stats(),
-    })
+SUITE = Suite(Component.SWA_ALLOCATOR, SWAAllocatorMachine, CONFORMANCE_CONFIGS)

@@ -1,87 +1,79 @@
 """Replayable vectors: a lockstep run as a JSON list of operations, replayed without Hypothesis.
 
-Every rule of every component machine is decorated with :func:`recorded` (under
-``@rule``), so each step of a run is logged as ``{"rule": name, "args": {...},
-"draws": [...]}``: the rule's plain arguments and every value it drew from its
-``data`` object, in order. A failing run's vector is saved in the reports; :func:`replay`
-rebuilds the component's machine for any implementation and runs the same steps,
-drawing the recorded values (``ReplayData``), checking preconditions and invariants
-exactly as the run did (sglang_semantics.md is cited by each machine). Nothing found by
-a fuzzing run is lost: the vector replays on a machine without Hypothesis' database.
+Every rule declared with ``operation`` / ``scenario`` / ``misuse``
+(:mod:`kvproof.conformance.lockstep`) is logged when it runs, as ``{"rule": name,
+"args": {...}, "draws": [...]}``: the rule's plain arguments and every value it drew from
+its ``data`` object, in order. Rules draw plain values with ``data.draw(strategy)``
+(recorded as they are), pick among objects with ``data.choose(options)`` /
+``data.choose_many(options)`` (recorded as indices), and may receive handles from
+Hypothesis bundles (anything with a ``handle`` attribute, recorded as that id). Nothing
+here reads Hypothesis internals.
+
+A failing run's vector is saved with its report; :func:`replay` rebuilds the component's
+machine for any implementation and runs the same steps, handing out the recorded values
+(:class:`ReplayData`), checking each rule's declared precondition and the per-step
+comparison exactly as the run did. Nothing found by a fuzzing run is lost: the vector
+replays on a machine without Hypothesis' database.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from hypothesis.stateful import INVARIANT_MARKER, RULE_MARKER
+from hypothesis import strategies as st
 
-__all__ = ["recorded", "RecordingData", "ReplayData", "VectorError", "ReplayResult", "replay", "load_vector",
-           "VECTOR_FORMAT"]
+from kvproof.conformance.errors import HarnessBug, VectorError
+
+__all__ = ["VECTOR_FORMAT", "RecordingData", "ReplayData", "ReplayResult", "VectorError", "begin_step", "load_vector",
+           "replay"]
 
 VECTOR_FORMAT = "kvproof-vector/1"
-
-
-class VectorError(ValueError):
-    """A vector that cannot be replayed here: malformed, another suite, or a step whose rule does not apply."""
+T = TypeVar("T")
 
 
 def _jsonable(value: Any) -> Any:
+    """``value`` as JSON, or :class:`HarnessBug` (a rule drew an object: it must use ``choose``)."""
     if isinstance(value, tuple | list):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if hasattr(value, "handle"):  # a value from a Hypothesis bundle
+        return {"handle": value.handle}
     if hasattr(value, "value") and isinstance(value.value, str | int):  # enums
         return value.value
-    raise VectorError(f"cannot record a drawn value of type {type(value).__name__}: {value!r}")
-
-
-def _elements(strategy: Any) -> Any:
-    """The element sequence of a (lazy) ``sampled_from`` strategy, or ``None``."""
-    inner = getattr(strategy, "wrapped_strategy", strategy)
-    return getattr(inner, "elements", None)
-
-
-def _encode_pick(strategy: Any, value: Any) -> dict[str, Any]:
-    """A value drawn from objects: its index in ``sampled_from`` (or indices, for ``lists(sampled_from)``)."""
-    elements = _elements(strategy)
-    index = next((i for i, e in enumerate(elements or ()) if e is value), None)
-    if index is not None:
-        return {"pick": index}
-    inner = _elements(getattr(getattr(strategy, "wrapped_strategy", strategy), "element_strategy", None))
-    if inner is not None and isinstance(value, list):
-        picks = [next((i for i, e in enumerate(inner) if e is v), None) for v in value]
-        if None not in picks:
-            return {"picks": picks}
-    return {"unreplayable": repr(value)[:200]}
+    raise HarnessBug(f"a rule drew a value that cannot be recorded, {type(value).__name__}: {value!r} "
+                     "(draw plain values, pick objects with data.choose)")
 
 
 class RecordingData:
-    """Wraps Hypothesis' ``data`` object and logs every drawn value.
-
-    JSON-able values are logged as they are; a value picked by ``sampled_from`` from
-    objects (a request record, say) is logged as ``{"pick": index}``. Anything else is
-    logged as unreplayable; recording never fails the rule it watches.
-    """
+    """Wraps Hypothesis' ``data`` object and logs every value drawn through it."""
 
     def __init__(self, data: Any, log: list[Any]) -> None:
         self._data, self._log = data, log
 
-    def draw(self, strategy: Any, label: str | None = None) -> Any:
+    def draw(self, strategy: st.SearchStrategy[T], label: str | None = None) -> T:
         value = self._data.draw(strategy, label=label)
-        try:
-            self._log.append(_jsonable(value))
-        except VectorError:
-            self._log.append(_encode_pick(strategy, value))
+        self._log.append(_jsonable(value))
         return value
+
+    def choose(self, options: Sequence[T], label: str | None = None) -> T:
+        """One of ``options`` (Hypothesis' ``sampled_from``), recorded as its index."""
+        index = self._data.draw(st.sampled_from(range(len(options))), label=label)
+        self._log.append({"pick": index})
+        return options[index]
+
+    def choose_many(self, options: Sequence[T], label: str | None = None, *, min_size: int = 0) -> list[T]:
+        """Distinct elements of ``options`` in drawn order, recorded as indices."""
+        picks = self._data.draw(st.lists(st.sampled_from(range(len(options))), min_size=min_size, unique=True),
+                                label=label)
+        self._log.append({"picks": picks})
+        return [options[i] for i in picks]
 
 
 class ReplayData:
@@ -90,43 +82,56 @@ class ReplayData:
     def __init__(self, values: list[Any], where: str) -> None:
         self._values, self._at, self._where = list(values), 0, where
 
-    def draw(self, strategy: Any, label: str | None = None) -> Any:
+    @property
+    def values(self) -> list[Any]:
+        return list(self._values)
+
+    def _next(self, label: str | None) -> Any:
         if self._at >= len(self._values):
             raise VectorError(f"{self._where}: the rule draws more values than recorded ({label or 'unlabelled'})")
         value = self._values[self._at]
         self._at += 1
-        if isinstance(value, dict) and ("pick" in value or "picks" in value):
-            elements = _elements(strategy) if "pick" in value else _elements(getattr(
-                getattr(strategy, "wrapped_strategy", strategy), "element_strategy", None))
-            wanted = [value["pick"]] if "pick" in value else value["picks"]
-            if elements is None or not all(0 <= i < len(elements) for i in wanted):
-                raise VectorError(f"{self._where}: cannot pick elements {wanted} for {label or 'a draw'} here")
-            return elements[value["pick"]] if "pick" in value else [elements[i] for i in wanted]
-        if isinstance(value, dict) and "unreplayable" in value:
-            raise VectorError(f"{self._where}: {label or 'a draw'} was not recorded ({value['unreplayable']})")
         return value
 
+    def draw(self, strategy: Any, label: str | None = None) -> Any:
+        value = self._next(label)
+        if isinstance(value, dict) and ("pick" in value or "picks" in value):
+            raise VectorError(f"{self._where}: {label or 'a draw'} was recorded as a pick, the rule now draws a value")
+        return value
 
-def recorded(function: Callable[..., None]) -> Callable[..., None]:
-    """Log each call of a rule into ``self.vector`` (put it directly under ``@rule``)."""
+    def choose(self, options: Sequence[T], label: str | None = None) -> T:
+        value = self._next(label)
+        if not isinstance(value, dict) or not isinstance(value.get("pick"), int):
+            raise VectorError(f"{self._where}: {label or 'a draw'} was not recorded as a pick: {value!r}")
+        if not 0 <= value["pick"] < len(options):
+            raise VectorError(f"{self._where}: cannot pick element {value['pick']} of {len(options)} for "
+                              f"{label or 'a draw'} here")
+        return options[value["pick"]]
 
-    @functools.wraps(function)
-    def wrapper(self: Any, **kwargs: Any) -> None:
-        step: dict[str, Any] = {"rule": function.__name__,
-                                "args": {k: _jsonable(v) for k, v in kwargs.items() if k != "data"}, "draws": []}
-        self.vector.append(step)
-        if "data" in kwargs and not isinstance(kwargs["data"], ReplayData):
-            kwargs["data"] = RecordingData(kwargs["data"], step["draws"])
-        elif "data" in kwargs:
-            step["draws"] = kwargs["data"]._values
-        function(self, **kwargs)
+    def choose_many(self, options: Sequence[T], label: str | None = None, *, min_size: int = 0) -> list[T]:
+        value = self._next(label)
+        picks = value.get("picks") if isinstance(value, dict) else None
+        if not isinstance(picks, list) or not all(isinstance(i, int) and 0 <= i < len(options) for i in picks):
+            raise VectorError(f"{self._where}: cannot pick {value!r} of {len(options)} for {label or 'a draw'} here")
+        return [options[i] for i in picks]
 
-    return wrapper
+
+def begin_step(machine: Any, rule: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Log one rule execution into ``machine.vector``; wrap its ``data`` so every draw is logged too."""
+    args = {k: _jsonable(v) for k, v in kwargs.items() if k != "data"}
+    step: dict[str, Any] = {"rule": rule, "args": args, "draws": []}
+    machine.vector.append(step)
+    data = kwargs.get("data")
+    if isinstance(data, ReplayData):
+        step["draws"] = data.values
+    elif data is not None and not isinstance(data, RecordingData):
+        kwargs = {**kwargs, "data": RecordingData(data, step["draws"])}
+    return kwargs
 
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay found: ``failure`` is ``None`` when every step and invariant passed."""
+    """What a replay found: ``failure`` is ``None`` when every step and per-step check passed."""
 
     component: str
     config: str
@@ -140,7 +145,11 @@ class ReplayResult:
 
 def load_vector(path_or_text: str | Path) -> dict[str, Any]:
     """A vector from a file (``.json``: the vector itself, or a report whose failures carry vectors) or JSON text."""
-    text = Path(path_or_text).read_text() if Path(str(path_or_text)).exists() else str(path_or_text)
+    try:
+        is_file = Path(str(path_or_text)).exists()
+    except OSError:  # JSON text too long to be a path
+        is_file = False
+    text = Path(path_or_text).read_text() if is_file else str(path_or_text)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
@@ -158,42 +167,53 @@ def load_vector(path_or_text: str | Path) -> dict[str, Any]:
     return doc
 
 
-def _members(cls: type, marker: str) -> list[Any]:
-    """Hypothesis' rule / invariant objects of a machine class, in its order (sorted by attribute name)."""
-    return [getattr(f, marker) for _, f in inspect.getmembers(cls) if getattr(f, marker, None) is not None]
+def _resolve(machine: Any, value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"handle"}:
+        return machine.resolve_handle(value["handle"])
+    return value
 
 
-def replay(vector: dict[str, Any], machine_cls: type) -> ReplayResult:
-    """Run ``vector``'s steps on a fresh ``machine_cls()`` (built by the suite's ``machine_for``)."""
-    rules = {r.function.__name__: r for r in _members(machine_cls, RULE_MARKER)}
-    invariants = _members(machine_cls, INVARIANT_MARKER)
+def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
+    """Run ``vector``'s steps on ``machine`` (a fresh :class:`~kvproof.conformance.lockstep.Lockstep`)."""
     label, component = str(vector["config"].get("label", "?")), str(vector["component"])
     done = 0
     try:
-        machine = machine_cls()
-        _check(machine, invariants)
+        _check(machine)
         for i, step in enumerate(vector["steps"], 1):
-            rule = rules.get(step["rule"])
-            if rule is None:
-                raise VectorError(f"step {i}: {component} has no rule {step['rule']!r}")
-            if not all(pre(machine) for pre in rule.preconditions):
-                raise VectorError(f"step {i}: rule {step['rule']} is not applicable here (precondition false; "
-                                  "the implementation declares other capabilities?)")
-            kwargs = dict(step.get("args", {}))
-            if "data" in rule.arguments:
-                kwargs["data"] = ReplayData(step.get("draws", []), f"step {i} ({step['rule']})")
-            rule.function(machine, **kwargs)
+            name = str(step.get("rule"))
+            where = f"step {i} ({name})"
+            if name == "misuse":
+                if not machine.misuse_enabled():
+                    raise VectorError(f"step {i}: rule misuse is not applicable here (precondition false)")
+                method = machine.misuse
+            else:
+                op = type(machine).operations.get(name)
+                if op is None:
+                    raise VectorError(f"step {i}: {component} has no rule {name!r}")
+                if not machine._enabled(op):
+                    raise VectorError(f"step {i}: rule {name} is not applicable here (precondition false; the "
+                                      "implementation declares other capabilities?)")
+                method = getattr(machine, type(machine).rule_methods[name])
+            kwargs = {k: _resolve(machine, v) for k, v in dict(step.get("args", {})).items()}
+            if step.get("draws") or name == "misuse" or "data" in _parameters(method):
+                kwargs["data"] = ReplayData(step.get("draws", []), where)
+            method(**kwargs)
             done = i
-            _check(machine, invariants)
+            _check(machine)
         machine.teardown()
     except VectorError:
         raise
-    except Exception as err:  # noqa: BLE001 - the verdict is data
+    except Exception as err:  # noqa: BLE001 - the verdict is data here
         return ReplayResult(component, label, done, f"{type(err).__name__}: {err}")
     return ReplayResult(component, label, done, None)
 
 
-def _check(machine: Any, invariants: list[Any]) -> None:
-    for inv in invariants:
-        if all(pre(machine) for pre in inv.preconditions):
-            inv.function(machine)
+def _parameters(method: Any) -> tuple[str, ...]:
+    import inspect
+
+    return tuple(inspect.signature(method).parameters)
+
+
+def _check(machine: Any) -> None:
+    for name in type(machine).checks:
+        getattr(machine, name)()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 from kvproof.gpu_runtime.paged import resolve_device
 from kvproof.reference.arith import ceil_p
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
@@ -51,7 +52,7 @@ class HiSparseHostPool:
     """The host pool, its request table and the coordinator's staging / backup / release."""
 
     capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})
-    components = ("hisparse_host",)  # the suites it serves
+    components = frozenset({Component.HISPARSE_HOST})
 
     def __init__(self, config: HostPoolConfig, device: torch.device | str | None = None) -> None:
         if config.coordinator is not Coordinator.PAGED:

@@ -49,6 +49,7 @@ from typing import ClassVar
 import torch
 
 from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
 from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
 from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation, require
@@ -83,7 +84,7 @@ class SWATokenToKVPoolAllocator:
     pool_class: type[PagedTokenToKVPoolAllocator] = PagedTokenToKVPoolAllocator
     kv_pool_class: type[SWAKVPool] = SWAKVPool
     capabilities: frozenset[Capability] = frozenset(Capability)
-    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
+    components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
     #: the loc-cache invalidation points this allocator, its runners and its pool honour
     #: (all: upstream after #26152); a mutant drops one
     invalidate_at: ClassVar[frozenset[InvalidationPoint]] = UPSTREAM_POINTS

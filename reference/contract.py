@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
+from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AllocatorFactory", "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
+__all__ = ["PROTOCOLS", "AllocatorFactory", "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
            "LocCacheSystemUnderTest", "SWAAllocatorUnderTest"]
 
 
@@ -197,3 +198,12 @@ class HostPoolUnderTest(Protocol):
 
 
 HostPoolFactory = Callable[[HostPoolConfig], HostPoolUnderTest]
+
+#: The protocols an implementation of each component meets (an allocator's KV pool included): every
+#: lockstep operation that acts on the implementation is a method of one of them (tests/test_registry.py).
+PROTOCOLS: dict[Component, tuple[type, ...]] = {
+    Component.SWA_ALLOCATOR: (SWAAllocatorUnderTest, KVPoolUnderTest),
+    Component.LOC_CACHE: (LocCacheSystemUnderTest, KVPoolUnderTest),
+    Component.DECODE_PREALLOC: (SWAAllocatorUnderTest, KVPoolUnderTest),
+    Component.HISPARSE_HOST: (HostPoolUnderTest,),
+}

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
@@ -205,7 +206,7 @@ class SGLangKVPool:
 class SGLangSWAAllocator:
     """SGLang 0.5.23's ``SWATokenToKVPoolAllocator`` + ``SWAKVPool``, failure by exception, observation by snapshot."""
 
-    components = ("swa_allocator", "loc_cache", "decode_prealloc")  # the suites it serves
+    components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
 
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         self.sglang = load_sglang()

@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from kvproof.conformance.adapters.sglang import INSTALL_HINT, SGLANG_VERSION, load_sglang, sglang_available
 from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
 
@@ -163,7 +164,7 @@ class SGLangHostPool:
     """``MLATokenToKVPoolHost`` (``HiSparseHostPoolMixin``) + the coordinator's table and call sites, as
     :class:`~kvproof.reference.contract.HostPoolUnderTest`."""
 
-    components = ("hisparse_host",)  # the suites it serves
+    components = frozenset({Component.HISPARSE_HOST})
     capabilities = CAPABILITIES
     device = torch.device("cpu")
 

@@ -134,7 +134,7 @@ def test_lockstep_divergences_are_the_documented_findings(host_modules, config) 
     report = run_check("hisparse_host", adapter.SGLangHostPool, config, profile="ci", failures_dir=None)
     assert report.steps > 0
     assert report.passed, report.failure
-    assert report.rules.get("eager_backup_previous_token", 0) > 0
+    assert report.calls.get("eager_backup_previous_token", 0) > 0
 
 
 @needs_sglang

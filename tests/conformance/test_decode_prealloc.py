@@ -25,7 +25,7 @@ def test_corrected_policy_holds_on_the_runtime(config, device: str) -> None:
                    profile="ci", impl_name=f"runtime[{device}]")
     assert report.rules["pop_preallocated"] > 0 and report.rules["decode"] > 0
     assert report.rules["retract"] > 0 and report.rules["resume_retracted_reqs"] > 0
-    assert report.rules.get("load_cpu_copy", 0) > 0
+    assert report.calls.get("load_cpu_copy", 0) > 0
 
 
 def test_corrected_policy_holds_on_the_reference() -> None:
@@ -35,7 +35,7 @@ def test_corrected_policy_holds_on_the_reference() -> None:
 def test_window_eviction_is_exercised() -> None:
     """Long enough requests decode past their window, so free_swa runs (D3 is not vacuous)."""
     evictions = sum(run_check("decode_prealloc", SWATokenToKVPoolAllocator, c, profile="ci", impl_name="runtime",
-                              failures_dir=None).rules.get("free_swa", 0) for c in CONFORMANCE_CONFIGS)
+                              failures_dir=None).calls.get("free_swa", 0) for c in CONFORMANCE_CONFIGS)
     assert evictions > 0
 
 

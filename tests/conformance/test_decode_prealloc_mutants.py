@@ -16,8 +16,8 @@ import pytest
 import torch
 from hypothesis import settings
 
-from kvproof.conformance.check import MutantVerdict, get_suite, kill_mutants, run_check
-from kvproof.conformance.mutants import MUTANTS as BY_COMPONENT
+from kvproof.conformance.check import MutantVerdict, get_suite, kill_mutants, mutants_of, run_check
+
 from kvproof.conformance.mutants.decode_prealloc import MUTANTS
 from kvproof.conformance.mutants.swa_allocator import MUTANTS as SWA_ALLOCATOR_MUTANTS
 from kvproof.conformance.profiles import get_profile
@@ -47,9 +47,10 @@ EVIDENCE: dict[str, str] = {
     # the very first comparison: the SWA size (and the min of both) is off by one page
     "swa_available_counts_reserved_page": r"^(swa_)?available_size\(\) = (\d+), reference (\d+)$",
 }
-#: The sign of ``implementation free pages - reference free pages`` in a pool-count divergence.
-SURPLUS = {"tail_ceil_as_floor_plus_one": -1, "decode_opens_swa_page_late": -1, "evict_one_page_too_many": 1,
-           "evict_one_page_too_few": -1, "free_forgets_evicted_pages": -1}
+#: The sign of ``implementation free pages - reference free pages`` in a pool-count divergence, where the bug
+#: fixes it (a page opened late shows as a surplus or, after the next step, a shortfall: either way).
+SURPLUS = {"tail_ceil_as_floor_plus_one": -1, "evict_one_page_too_many": 1, "evict_one_page_too_few": -1,
+           "free_forgets_evicted_pages": -1}
 #: Mutants of the tail preallocation / page opening: they need P > 1.
 PAGED_ONLY = {"tail_ceil_as_floor_plus_one", "decode_opens_swa_page_late"}
 #: Where the kill must happen: the node rule of the diverging step and the allocator call it must contain
@@ -70,7 +71,7 @@ DIVERGES_AT: dict[str, tuple[set[str], str] | None] = {
 
 
 def test_registered_under_decode_prealloc() -> None:
-    assert BY_COMPONENT["decode_prealloc"] is MUTANTS
+    assert mutants_of("decode_prealloc") is MUTANTS
     assert len(MUTANTS) >= 5
     assert set(EVIDENCE) == set(DIVERGES_AT) == set(MUTANTS)
 
@@ -110,7 +111,7 @@ def test_mutant_is_killed(name: str) -> None:
     assert found, f"{name} was killed for another reason than its bug: {verdict.evidence}"
     if name in SURPLUS:
         impl, ref = int(found.group(1)), int(found.group(2))
-        assert impl - ref == SURPLUS[name], verdict.evidence
+        assert (impl - ref) * SURPLUS[name] > 0, verdict.evidence
     if name == "swa_available_counts_reserved_page":
         assert int(found.group(2)) > int(found.group(3)), verdict.evidence
     assert verdict.config is not None

@@ -13,14 +13,14 @@ import torch
 from kvproof import spec
 from kvproof.conformance.check import check_loc_cache, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-from kvproof.conformance.loc_cache import RULE_CAPABILITIES
+from kvproof.conformance.loc_cache import LocCacheMachine
 from kvproof.conformance.mutants.loc_cache import MUTANTS
 from kvproof.conformance.reference_impl import ReferenceAllocator
-from kvproof.conformance.swa_allocator import RULE_CAPABILITIES as ALLOCATOR_RULES
+from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
 IDS = [c.label() for c in CONFORMANCE_CONFIGS]
-LOC_RULES = set(RULE_CAPABILITIES) - set(ALLOCATOR_RULES)
+LOC_RULES = set(LocCacheMachine.operations) - set(SWAAllocatorMachine.operations)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="no CUDA device on this machine"))]
 

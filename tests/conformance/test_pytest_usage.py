@@ -1,15 +1,12 @@
-"""The lockstep machine is also a plain pytest/unittest test case: ``machine_for(...).TestCase``."""
+"""A suite is also a plain pytest/unittest test case: ``make_test_case(component, factory, config)``."""
 
-from hypothesis import settings
-
+from kvproof.conformance.check import make_test_case
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-from kvproof.conformance.profiles import get_profile
-from kvproof.conformance.swa_allocator import machine_for
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
-_Machine = machine_for(SWATokenToKVPoolAllocator, CONFORMANCE_CONFIGS[3], impl_name="runtime")
-_Machine.TestCase.settings = settings(get_profile("dev"))
+_Case = make_test_case("swa_allocator", SWATokenToKVPoolAllocator, CONFORMANCE_CONFIGS[3], profile="dev",
+                       impl_name="runtime")
 
 
-class TestRuntimeLockstepP4W2(_Machine.TestCase):  # type: ignore[name-defined,misc]
+class TestRuntimeLockstepP4W2(_Case):
     """Collected by pytest like any unittest class; runs the dev profile."""

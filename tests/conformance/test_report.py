@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvproof.cli import main
-from kvproof.cli.conform import conform_outcomes
+from kvproof.conformance.plan import plan, run_plan
 from kvproof.conformance.report import load_selection
 
 MUTANT = "kvproof.conformance.mutants.hisparse_host:ReleaseReversed"
@@ -53,11 +53,12 @@ def test_impl_from_environment(tmp_path) -> None:
 
 
 def test_a_forced_seed_is_reported_and_reproduces() -> None:
-    runs = [conform_outcomes(None, None, "smoke", ["P4-H8-R4-C14"], components=("hisparse_host",), seed=1234)
+    runs = [run_plan(plan(["hisparse_host"], labels=["P4-H8-R4-C14"]), profile="smoke", seed=1234)
             for _ in range(2)]
     assert all(info.seed == 1234 for _, info in runs)
     (a,), (b,) = (outcomes for outcomes, _ in runs)
     assert a.report and b.report and a.report.steps == b.report.steps and a.report.rules == b.report.rules
+    assert a.report.fingerprint == b.report.fingerprint
 
 
 def test_malformed_selection_file_is_an_error(tmp_path) -> None:

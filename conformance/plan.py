@@ -1,0 +1,188 @@
+"""The run planner: which tests a conformance run consists of, and running them (habit 4: one planner).
+
+``kvproof conform`` / ``kvproof check`` and the pytest plugin are presentation over
+this module. A run is planned from
+
+* the components (default: those the given implementations declare, else all of the
+  registry), each with its suite's default configs, narrowed by config labels;
+* the implementations (``--impl module:factory``, repeatable, or ``$KVPROOF_IMPL``):
+  each serves the components it declares in ``components`` (a set of
+  ``kvproof.reference.registry.Component``); one that declares none serves any; a
+  component no given implementation serves is a usage error; without any, each
+  component's default implementation from the registry (kvproof's torch runtime);
+* the suites' own options (``--policy`` of ``decode_prealloc``);
+* skip and expected-failure files (:mod:`kvproof.conformance.report`).
+
+:func:`plan` returns the :class:`PlannedTest` list (one per component x config, id
+``component/config``) and the warnings; :func:`run_planned` runs one and classifies it;
+:func:`run_plan` runs them all under one seed and returns what every report states.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
+from kvproof.conformance.errors import ImplSpecError, UsageError
+from kvproof.conformance.generation import forced_seed
+from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
+from kvproof.reference.registry import Component, info, parse_components
+
+__all__ = ["Impl", "Plan", "PlannedTest", "declared_components", "load_factory", "load_impls", "plan", "run_plan",
+           "run_planned"]
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Import ``module:attr`` and return the callable; :class:`ImplSpecError` says what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ImplSpecError(f"--impl must look like 'package.module:factory', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImplSpecError(f"--impl {spec!r}: cannot import {module_name!r}: {err}") from err
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ImplSpecError(f"--impl {spec!r}: {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ImplSpecError(f"--impl {spec!r}: {attr!r} is not callable")
+    return target
+
+
+def declared_components(factory: Any) -> tuple[Component, ...] | None:
+    """The components a factory declares it serves (``components``), or ``None`` if it declares none.
+
+    A name that is not in the registry is an ``UnknownComponent`` error naming the choices.
+    """
+    declared = getattr(factory, "components", None)
+    return None if declared is None else parse_components(declared)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """An implementation given to a run: how it was named, its factory, the components it serves."""
+
+    spec: str
+    factory: Callable[..., Any]
+    serves: tuple[Component, ...] | None  # None: serves any component
+
+    @classmethod
+    def load(cls, spec: str) -> Impl:
+        factory = load_factory(spec)
+        return cls(spec, factory, declared_components(factory))
+
+
+def load_impls(specs: Iterable[str]) -> tuple[Impl, ...]:
+    return tuple(Impl.load(spec) for spec in specs)
+
+
+def _impl_for(component: Component, given: Sequence[Impl]) -> Impl:
+    for impl in given:
+        if impl.serves is not None and component in impl.serves:
+            return impl
+    for impl in given:
+        if impl.serves is None:
+            return impl
+    if given:
+        raise UsageError(f"no --impl serves component {component.value!r}; they declare "
+                         f"{ {i.spec: [c.value for c in i.serves or ()] for i in given} }")
+    default = info(component).default_impl
+    return Impl(default, load_factory(default), None)
+
+
+@dataclass(frozen=True)
+class PlannedTest:
+    """One test of a run: a component's suite on one config, against one implementation."""
+
+    component: Component
+    config: Any
+    impl: Impl
+    options: Mapping[str, Any] = field(default_factory=dict)  # machine options
+    option_args: Mapping[str, str] = field(default_factory=dict)  # the CLI values behind them
+    selected: tuple[str, str] | None = None  # ("skip" | "xfail", reason)
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.component.value}/{self.config.label()}"
+
+    def replay_command(self, profile: str, seed: int | str) -> str:
+        extra = "".join(f" --{name} {value}" for name, value in self.option_args.items())
+        return (f"kvproof conform --component {self.component.value} --impl {self.impl.spec} "
+                f"--config {self.config.label()} --profile {profile}{extra}"
+                + (f" --seed {seed}" if isinstance(seed, int) else ""))
+
+
+@dataclass(frozen=True)
+class Plan:
+    tests: tuple[PlannedTest, ...]
+    impls: tuple[Impl, ...]
+    warnings: tuple[str, ...] = ()
+
+    def impl_names(self) -> str:
+        return ", ".join(dict.fromkeys(t.impl.spec for t in self.tests)) or ", ".join(i.spec for i in self.impls)
+
+
+def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (), labels: Sequence[str] = (),
+         selection: Selection | None = None, suite_options: Mapping[str, str] | None = None) -> Plan:
+    """The tests of a run (see the module docstring); :class:`UsageError` for a label no config has."""
+    wanted = parse_components(components)
+    if not wanted:
+        declared = [impl.serves for impl in impls]
+        wanted = tuple(Component) if not impls or None in declared else parse_components(
+            c for serves in declared for c in serves or ())
+    suites = [get_suite(c) for c in wanted]
+    known = {cfg.label() for suite in suites for cfg in suite.configs}
+    unknown = [label for label in labels if label not in known]
+    if unknown:
+        raise UsageError(f"unknown config(s) {unknown}; choose from {sorted(known)}")
+    selection = selection or Selection()
+    chosen = dict(suite_options or {})
+    tests = []
+    for suite in suites:
+        impl = _impl_for(suite.component, impls)
+        options = suite.options(chosen)
+        option_args = {o.name: chosen.get(o.name, o.default) for o in suite.cli_options}
+        for cfg in suite.configs:
+            if labels and cfg.label() not in labels:
+                continue
+            test_id = f"{suite.component.value}/{cfg.label()}"
+            tests.append(PlannedTest(suite.component, cfg, impl, options, option_args, selection.match(test_id)))
+    return Plan(tuple(tests), tuple(impls), tuple(selection.unmatched()))
+
+
+def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomized",
+                op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> Outcome:
+    """Run one planned test (not its skip: the caller decides) and classify the result."""
+    if test.selected and test.selected[0] == "skip":
+        return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
+    report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
+                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, **test.options)
+    status = "passed" if report.passed else "failed"
+    if test.selected:  # an expected failure
+        status = "xpassed" if report.passed else "xfailed"
+    return Outcome(test.component.value, test.config.label(), status, test.selected[1] if test.selected else "",
+                   report)
+
+
+def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+             on_report: Callable[[CheckReport], None] | None = None) -> tuple[list[Outcome], RunInfo]:
+    """Run every planned test under one seed; the outcomes and what every report states about the run."""
+    outcomes: list[Outcome] = []
+    versions: set[str] = set()
+    with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
+        for test in the_plan.tests:
+            outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout)
+            outcomes.append(outcome)
+            if outcome.report is not None:
+                versions.add(outcome.report.impl_version or impl_version(None, test.impl.factory))
+                if on_report:
+                    on_report(outcome.report)
+    info_ = RunInfo(the_plan.impl_names(), "; ".join(sorted(versions)) or "unknown", used_seed, profile,
+                    the_plan.warnings)
+    return outcomes, info_
