@@ -14,18 +14,13 @@ from __future__ import annotations
 import torch
 
 from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import InvalidOperation, require
 
-__all__ = ["require", "ExtendArgs", "check_extend_args", "check_swa_continuation"]
+__all__ = ["ExtendArgs", "check_extend_args", "check_swa_continuation"]
 
 Tensor = torch.Tensor
 #: ``(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)`` as int64 tensors.
 ExtendArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
-def require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 def check_extend_args(full: PagedTokenToKVPoolAllocator, op: str, args: ExtendArgs, extend_num_tokens: int) -> None:

@@ -32,7 +32,7 @@ import torch
 from kvproof.gpu_runtime._recording import Recording
 from kvproof.gpu_runtime.paged import as_index
 from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import require
 from kvproof.reference.loc_cache import InvalidationPoint
 
 __all__ = ["ModelRunner", "GraphRunner", "LayerWrite", "Invalidate", "check_forward"]
@@ -41,11 +41,6 @@ Tensor = torch.Tensor
 #: The owner's invalidation call site: drops the pool's cache if ``point`` is on.
 Invalidate = Callable[[InvalidationPoint], None]
 Rows = Mapping[int, Tensor]
-
-
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +58,7 @@ def check_forward(pool: SWAKVPool, loc: Tensor, cache_k: Rows, cache_v: Rows) ->
     ``out_cache_loc``: live or padding 0, distinct), then each layer's ``set_kv_buffer`` checks
     (layer id, rows), ascending.
     """
-    _require(set(cache_k) == set(cache_v), "forward", "cache_v", f"layers {sorted(cache_v)} != {sorted(cache_k)}")
+    require(set(cache_k) == set(cache_v), "forward", "cache_v", f"layers {sorted(cache_v)} != {sorted(cache_k)}")
     pool.check_loc("forward", loc, "out_cache_loc")
     return [LayerWrite(*pool.check_rows("set_kv_buffer", layer_id, loc, cache_k[layer_id], cache_v[layer_id]))
             for layer_id in sorted(cache_k)]
@@ -123,10 +118,10 @@ class GraphRunner:
         """
         op = "capture"
         loc = static_loc
-        _require(isinstance(loc, Tensor) and loc.dtype == torch.int64 and loc.dim() == 1
-                 and loc.device == self.pool.device, op, "loc", f"not an int64 1-D tensor on {self.pool.device}")
-        _require(not bool(loc.any()), op, "loc", "capture runs on a padding buffer (all 0)")
-        _require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
+        require(isinstance(loc, Tensor) and loc.dtype == torch.int64 and loc.dim() == 1
+                and loc.device == self.pool.device, op, "loc", f"not an int64 1-D tensor on {self.pool.device}")
+        require(not bool(loc.any()), op, "loc", "capture runs on a padding buffer (all 0)")
+        require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
         writes = self._check_static(op, loc, static_k, static_v)
         self.graph = None  # from here on the old graph is gone, as a runner re-capturing drops it
         run_once = partial(self._run_once, loc, writes)
@@ -135,7 +130,7 @@ class GraphRunner:
 
     def replay(self) -> None:
         """The per-forward invalidation (point ``forward``), then the recording on the buffers' current contents."""
-        _require(self.graph is not None, "replay", "graph", "nothing was captured")
+        require(self.graph is not None, "replay", "graph", "nothing was captured")
         assert self.graph is not None
         self.pool.check_loc("replay", self.graph.loc, "out_cache_loc")
         self._replay_invalidation()
@@ -160,12 +155,12 @@ class GraphRunner:
             graph.mapping.copy_(live)
 
     def _check_static(self, op: str, loc: Tensor, static_k: Rows, static_v: Rows) -> list[LayerWrite]:
-        _require(set(static_k) == set(static_v), op, "static_v", f"layers {sorted(static_v)} != {sorted(static_k)}")
+        require(set(static_k) == set(static_v), op, "static_v", f"layers {sorted(static_v)} != {sorted(static_k)}")
         writes = []
         for layer_id in sorted(static_k):
             k, v = static_k[layer_id], static_v[layer_id]
-            _require(isinstance(k, Tensor) and isinstance(v, Tensor) and k.device == v.device == self.pool.device,
-                     op, "static_k", f"layer {layer_id}: static rows must be tensors on {self.pool.device}")
+            require(isinstance(k, Tensor) and isinstance(v, Tensor) and k.device == v.device == self.pool.device,
+                    op, "static_k", f"layer {layer_id}: static rows must be tensors on {self.pool.device}")
             index, is_swa, k, v = self.pool.check_rows(op, layer_id, loc, k, v)
             writes.append(LayerWrite(index, is_swa, k, v))
         return writes

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from kvproof.gpu_runtime._geometry import Plan, count_new_pages, decode_plan, extend_plan, page_offsets, page_slots
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.errors import InvalidOperation, OutOfMemory, ensure
 
 __all__ = ["PagedTokenToKVPoolAllocator", "PagedBackup", "default_device", "resolve_device", "as_index"]
 
@@ -264,19 +264,14 @@ class PagedTokenToKVPoolAllocator:
     def check_invariants(self) -> None:
         """G1-G3 for this pool: free pages are distinct real pages, free iff fill == 0, fill <= P."""
         free, fill, n = self.free_pages, self.fill, self.num_pages
-        _ensure(bool(((free >= 1) & (free <= n)).all()), "G1", f"{self.name} free list has pages outside 1..{n}")
-        _ensure(torch.unique(free).numel() == free.numel(), "G1", f"{self.name} free list has a duplicate page")
-        _ensure(self.available_size() <= self.size, "G2",
-                f"{self.name} available {self.available_size()} > size {self.size}")
-        _ensure(int(fill[0]) == 0 and int(fill[-1]) == 0, "G1", f"{self.name} reserved page 0 has live slots")
-        _ensure(not bool(fill[free].any()), "G3", f"{self.name} pages both free and live")
+        ensure(bool(((free >= 1) & (free <= n)).all()), "G1", f"{self.name} free list has pages outside 1..{n}")
+        ensure(torch.unique(free).numel() == free.numel(), "G1", f"{self.name} free list has a duplicate page")
+        ensure(self.available_size() <= self.size, "G2",
+               f"{self.name} available {self.available_size()} > size {self.size}")
+        ensure(int(fill[0]) == 0 and int(fill[-1]) == 0, "G1", f"{self.name} reserved page 0 has live slots")
+        ensure(not bool(fill[free].any()), "G3", f"{self.name} pages both free and live")
         owned = torch.ones(n + 2, dtype=torch.bool, device=self.device)
         owned[0] = owned[-1] = False
         owned[free] = False
         ok = ((fill >= 1) & (fill <= self.page_size)) | ~owned
-        _ensure(bool(ok.all()), "G3", f"{self.name} pages neither free nor live (leak) or over-full")
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+        ensure(bool(ok.all()), "G3", f"{self.name} pages neither free nor live (leak) or over-full")

@@ -51,12 +51,12 @@ import torch
 from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
 from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
-from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation, require
+from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation
 from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.errors import InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
@@ -458,13 +458,8 @@ class SWATokenToKVPoolAllocator:
     def _check_mapping_values(self) -> None:
         """M1: sentinel, reserved page unmapped, values 0 or real SWA slots."""
         m, p, top = self.full_to_swa_index_mapping, self.page_size, self.swa_attn_allocator.end_slot
-        _ensure(m.numel() == self.config.mapping_len and int(m[-1]) == -1, "M1", "mapping lost its -1 sentinel")
-        _ensure(not bool(m[:p].any()), "M1", f"reserved page 0 is mapped: {m[:p].tolist()}")
+        ensure(m.numel() == self.config.mapping_len and int(m[-1]) == -1, "M1", "mapping lost its -1 sentinel")
+        ensure(not bool(m[:p].any()), "M1", f"reserved page 0 is mapped: {m[:p].tolist()}")
         body = m[:-1]
-        _ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
-                f"entries outside {{0}} or [{p}, {top})")
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+        ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
+               f"entries outside {{0}} or [{p}, {top})")

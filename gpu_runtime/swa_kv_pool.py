@@ -53,7 +53,7 @@ import torch
 from kvproof.gpu_runtime._recording import Launch, Recording
 from kvproof.gpu_runtime.paged import as_index, resolve_device
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import require
 from kvproof.reference.loc_cache import KeyScheme
 
 __all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
@@ -67,11 +67,6 @@ class SlotCheck(Protocol):
     """Raises ``InvalidOperation(op, argument, ...)`` unless every full slot is live."""
 
     def __call__(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> object: ...
-
-
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 class SWAKVPool:
@@ -125,13 +120,13 @@ class SWAKVPool:
     def _in_range(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> None:
         # standalone pool (no allocator): only keep indexing in bounds
         rows = self.full_kv.shape[2]
-        _require(bool(((slots >= 0) & (slots < rows)).all()), op, argument, f"slots outside [0, {rows})")
+        require(bool(((slots >= 0) & (slots < rows)).all()), op, argument, f"slots outside [0, {rows})")
 
     # ------------------------------------------------------------ buffers
 
     def _layer(self, op: str, layer_id: int) -> tuple[int, bool]:
         where = self.layers_mapping.get(layer_id) if isinstance(layer_id, int) else None
-        _require(where is not None, op, "layer_id", f"{layer_id} is outside [0, {len(self.layers_mapping)})")
+        require(where is not None, op, "layer_id", f"{layer_id} is outside [0, {len(self.layers_mapping)})")
         assert where is not None
         return where
 
@@ -226,12 +221,12 @@ class SWAKVPool:
         i, is_swa = self._layer(op, layer_id)
         k, v, n, width = torch.as_tensor(cache_k), torch.as_tensor(cache_v), loc.numel(), self.head_num * self.head_dim
         # one K and one V row per slot
-        _require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
-                 f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
+        require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
+                f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
         # each row holds head_num * head_dim values
-        _require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
+        require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
         if is_swa:
-            _require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
+            require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
         return i, is_swa, k, v
 
     def check_loc(self, op: str, loc: Tensor, argument: str = "loc") -> None:
@@ -242,7 +237,7 @@ class SWAKVPool:
         """Entries are -1 (no prefix) or full slot ids: what a gather through M may index."""
         assert self.full_to_swa_index_mapping is not None, "no mapping registered"
         n = self.full_to_swa_index_mapping.numel() - 1
-        _require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
+        require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
 
     def store(self, index: int, is_swa: bool, loc: Tensor, k: Tensor, v: Tensor, *, cached: bool = True) -> None:
         """The unchecked write of one layer of a forward: one launch writes K and V.
@@ -280,8 +275,8 @@ class SWAKVPool:
         full, swa, old_mask = self._unpack_copy(op, kv_cache_cpu)
         positions = old_mask.numel() if old_mask is not None else full.shape[2]
         # position alignment: the copy and the destination cover the same positions
-        _require(idx.numel() == positions, op, "indices",
-                 f"{idx.numel()} destination slots for a copy of {positions} positions")
+        require(idx.numel() == positions, op, "indices",
+                f"{idx.numel()} destination slots for a copy of {positions} positions")
         self._check_copy_shapes(op, full, swa, old_mask, positions)
         self._slot_check(op, "indices", idx, duplicates_ok=False)
         self.full_kv[:, :, idx] = full.to(self.device, self.dtype)
@@ -299,22 +294,22 @@ class SWAKVPool:
 
     def _unpack_copy(self, op: str, kv: object) -> tuple[Tensor, Tensor | None, Tensor | None]:
         ok = isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)
-        _require(ok, op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
+        require(ok, op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
         assert isinstance(kv, Mapping)
         mask = kv.get("swa_mask")
         # the legacy (maskless) format cannot say which saved row is which position
-        _require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")
+        require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")
         return kv["full"], kv.get("swa"), None if mask is None else torch.as_tensor(mask, dtype=torch.bool)
 
     def _check_copy_shapes(self, op: str, full: Tensor, swa: Tensor | None, mask: Tensor | None, n: int) -> None:
         h, d = self.head_num, self.head_dim
-        _require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
-                 "copy has a different number of full layers")
-        _require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
+        require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
+                "copy has a different number of full layers")
+        require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
         if swa is not None and mask is not None:
             m = int(mask.sum())
-            _require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
-                     f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
+            require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
+                    f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
 
 
 def _write_rows(buf: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:

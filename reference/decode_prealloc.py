@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.arith import ceil_p, floor_p
 from kvproof.reference.arith import swa_tail_len as _tail
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.errors import OutOfMemory, ensure, require
 
 __all__ = [
     "PreallocPolicy",
@@ -189,11 +189,6 @@ class StepResult(BaseModel):
     stalled: bool = False  # decode: the pools could not take the batch (nothing changed; retract next)
 
 
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
 # ---------------------------------------------------------------- construction and arrivals
 
 
@@ -204,16 +199,16 @@ def initial_node(config: DecodeConfig | None = None) -> DecodeNode:
 def arrive(node: DecodeNode, rid: int, origin_input_len: int, output_len: int, max_new_tokens: int) -> DecodeNode:
     """A prefilled request joins the prealloc queue (validated: nothing changes on bad input)."""
     op = "arrive"
-    _require(origin_input_len >= 1, op, "origin_input_len", f"must be >= 1, got {origin_input_len}")
+    require(origin_input_len >= 1, op, "origin_input_len", f"must be >= 1, got {origin_input_len}")
     # PD: the prefill node produced the first token, so KV positions = prompt + outputs - 1
-    _require(output_len >= 1, op, "output_len", f"must be >= 1 (the prefill's first token), got {output_len}")
-    _require(max_new_tokens >= 1, op, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    require(output_len >= 1, op, "output_len", f"must be >= 1 (the prefill's first token), got {output_len}")
+    require(max_new_tokens >= 1, op, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     # a request that already produced all its tokens never reaches the decode node
-    _require(output_len < max_new_tokens, op, "output_len", f"{output_len} outputs leave nothing to decode "
-             f"under max_new_tokens {max_new_tokens}")
+    require(output_len < max_new_tokens, op, "output_len", f"{output_len} outputs leave nothing to decode "
+            f"under max_new_tokens {max_new_tokens}")
     known = {r.rid for r in (*node.queue, *node.running, *node.retracted)}
     # a request id is queued, preallocated or retracted at most once
-    _require(rid not in known, op, "rid", f"request {rid} is already on this node")
+    require(rid not in known, op, "rid", f"request {rid} is already on this node")
     req = DecodeRequest(rid=rid, origin_input_len=origin_input_len, output_len=output_len,
                         max_new_tokens=max_new_tokens)
     return node.model_copy(update={"queue": node.queue + (req,)})
@@ -478,7 +473,7 @@ def retract(node: DecodeNode, allocator: sa.SWAAllocatorState, rid: int) -> Step
     """Copy a running request's KV to the CPU, free its slots, queue it for resumption (§1.6)."""
     op = "retract"
     found = [r for r in node.running if r.rid == rid]
-    _require(bool(found), op, "rid", f"request {rid} is not running")
+    require(bool(found), op, "rid", f"request {rid} is not running")
     (req,) = found
     calls = _Calls(allocator)
     copy = calls.run("get_cpu_copy", rid, {"indices": list(req.slots)})
@@ -540,20 +535,15 @@ def check_node(node: DecodeNode, allocator: sa.SWAAllocatorState) -> None:
     for name, pool in (("full", allocator.full), ("swa", allocator.swa)):
         strays = sorted({pool.owner[g] for g in range(1, pool.num_pages + 1)} - owners - {None})
         # an allocated page belongs to a running request (retracted and finished ones hold nothing)
-        _ensure(not strays, "G3", f"{name} pages held by requests that are not running: {strays}")
+        ensure(not strays, "G3", f"{name} pages held by requests that are not running: {strays}")
     for req in node.running:
         pages = {f // p for f in req.slots}
         # every KV position of a running request sits in one of its own full pages
-        _ensure(all(allocator.full.owner[g] == req.rid for g in pages), "G3", f"request {req.rid} lost a page")
+        ensure(all(allocator.full.owner[g] == req.rid for g in pages), "G3", f"request {req.rid} lost a page")
         if not uses_tail(node, allocator):
             continue
         low = floor_p(max(0, len(req.slots) - 1 - w - p), p)
         resident = [j for j, f in enumerate(req.slots) if mapping[f] > 0]
         # D3: SWA residency stays within the window tail
-        _ensure(all(j >= low for j in resident), "D3",
-                f"request {req.rid} (L={len(req.slots)}) keeps SWA slots for positions {resident[:4]}... below {low}")
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+        ensure(all(j >= low for j in resident), "D3",
+               f"request {req.rid} (L={len(req.slots)}) keeps SWA slots for positions {resident[:4]}... below {low}")

@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import require
 from kvproof.reference.index_memory import (
     ELEMENT_BYTES,
     IndexMemory,
@@ -257,14 +257,9 @@ def make_view(system: LocCacheSystem, storage: int, offset: int, numel: int) -> 
 
 def _live_view(system: LocCacheSystem, op: str, view: IndexView) -> tuple[int, ...]:
     storages = system.memory.storages
-    _mem_require(0 <= view.storage < len(storages) and storages[view.storage].alive, op, "storage",
-                 f"storage {view.storage} is not allocated")
+    require(0 <= view.storage < len(storages) and storages[view.storage].alive, op, "storage",
+            f"storage {view.storage} is not allocated")
     return view_contents(system.memory, view)
-
-
-def _mem_require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 # ---------------------------------------------------------------- translation
@@ -296,7 +291,7 @@ def translate_loc_from_full_to_swa(system: LocCacheSystem, view: IndexView, *, p
     n = len(_mapping(system, pool)) - 1
     for f in contents:
         # -1 (no prefix) or a full slot id
-        _mem_require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
+        require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
     slot = _cache_slot(system, pool)
     cache, key = system.caches[slot], cache_key(system.memory, view, system.policy.key_scheme)
     if cache.key == key and cache.value is not None:
@@ -336,8 +331,8 @@ def _check_batch(system: LocCacheSystem, op: str, loc: IndexView) -> None:
     """out_cache_loc holds distinct live full slots, or 0 for padding tokens."""
     slots = [f for f in _live_view(system, op, loc) if f != 0]
     for f in slots:
-        _mem_require(sa.is_live(system.allocator, f), op, "out_cache_loc", f"slot {f} is not a live full slot")
-    _mem_require(len(set(slots)) == len(slots), op, "out_cache_loc", f"a slot appears twice in {slots}")
+        require(sa.is_live(system.allocator, f), op, "out_cache_loc", f"slot {f} is not a live full slot")
+    require(len(set(slots)) == len(slots), op, "out_cache_loc", f"a slot appears twice in {slots}")
 
 
 def _write_layers(system: LocCacheSystem, op: str, loc: IndexView, rows: Rows,
@@ -366,8 +361,8 @@ def capture(system: LocCacheSystem, loc: IndexView, *, warmups: int = 2) -> LocC
     runs write no KV that anyone reads.
     """
     op = "capture"
-    _mem_require(set(_live_view(system, op, loc)) <= {0}, op, "loc", "capture runs on a padding buffer (all 0)")
-    _mem_require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
+    require(set(_live_view(system, op, loc)) <= {0}, op, "loc", "capture runs on a padding buffer (all 0)")
+    require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
     hit = False
     value: tuple[int, ...] = ()
     for _ in range(warmups + 1):
@@ -388,7 +383,7 @@ def replay(system: LocCacheSystem, rows: Rows) -> LocCacheSystem:
     the constant captured with it.
     """
     op = "replay"
-    _mem_require(system.graph is not None, op, "graph", "nothing was captured")
+    require(system.graph is not None, op, "graph", "nothing was captured")
     assert system.graph is not None
     graph = system.graph
     _check_batch(system, op, graph.loc)
