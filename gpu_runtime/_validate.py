@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
-from kvproof.reference.errors import InvalidOperation, require
+from kvproof.reference.errors import require
 
 __all__ = ["ExtendArgs", "check_extend_args", "check_swa_continuation"]
 
@@ -56,8 +56,7 @@ def _check_last_loc(full: PagedTokenToKVPoolAllocator, op: str, pre: Tensor, seq
     if p > 1:  # (last_loc + 1) mod P == prefix_len mod P (SGLang's debug-mode check)
         rule &= (safe + 1) % p == pre % p
     ok = torch.where(pre > 0, rule, last_loc == -1)
-    if not bool(ok.all()):
-        raise InvalidOperation(op, "last_loc", _explain_last_loc(full, pre, last_loc, ok))
+    require(bool(ok.all()), op, "last_loc", lambda: _explain_last_loc(full, pre, last_loc, ok))
     if p == 1 or not bool(((pre_cpu % p != 0) & (seq_cpu > pre_cpu)).any()):
         return
     # two requests cannot continue the same partial page

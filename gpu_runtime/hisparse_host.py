@@ -33,7 +33,7 @@ import torch
 from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime.paged import resolve_device
 from kvproof.reference.arith import ceil_p
-from kvproof.reference.errors import OutOfMemory, require
+from kvproof.reference.errors import ConfigError, OutOfMemory, require
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
 
 __all__ = ["HiSparseHostPool"]
@@ -50,7 +50,8 @@ class HiSparseHostPool:
 
     def __init__(self, config: HostPoolConfig, device: torch.device | str | None = None) -> None:
         if config.coordinator is not Coordinator.PAGED:
-            raise ValueError(f"the runtime implements the PAGED coordinator only, got {config.coordinator.value}")
+            raise ConfigError("HostPoolConfig", "coordinator",
+                              f"the runtime implements the PAGED coordinator only, got {config.coordinator.value}")
         self.config = config
         self.device = resolve_device(device)
         self.page_size = config.page_size

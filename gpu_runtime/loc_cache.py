@@ -32,7 +32,7 @@ import torch
 from kvproof.gpu_runtime._recording import Recording
 from kvproof.gpu_runtime.paged import as_index
 from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
-from kvproof.reference.errors import require
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import InvalidationPoint
 
 __all__ = ["ModelRunner", "GraphRunner", "LayerWrite", "Invalidate", "check_forward"]
@@ -123,19 +123,21 @@ class GraphRunner:
         require(not bool(loc.any()), op, "loc", "capture runs on a padding buffer (all 0)")
         require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
         writes = self._check_static(op, loc, static_k, static_v)
+        mapping = self.pool.require_mapping(op)  # the tensor the graph gathers from
         self.graph = None  # from here on the old graph is gone, as a runner re-capturing drops it
         run_once = partial(self._run_once, loc, writes)
-        self.graph = self._record_emulated(loc, writes, run_once, warmups) if self.emulate \
-            else self._record_cuda(loc, writes, run_once, warmups)
+        self.graph = self._record_emulated(loc, writes, mapping, run_once, warmups) if self.emulate \
+            else self._record_cuda(loc, writes, mapping, run_once, warmups)
 
     def replay(self) -> None:
         """The per-forward invalidation (point ``forward``), then the recording on the buffers' current contents."""
-        require(self.graph is not None, "replay", "graph", "nothing was captured")
-        assert self.graph is not None
-        self.pool.check_loc("replay", self.graph.loc, "out_cache_loc")
+        graph = self.graph
+        if graph is None:
+            raise InvalidOperation("replay", "graph", "nothing was captured")
+        self.pool.check_loc("replay", graph.loc, "out_cache_loc")
         self._replay_invalidation()
-        self._follow_mapping(self.graph)
-        self.graph.replay()
+        self._follow_mapping(graph)
+        graph.replay()
 
     # ------------------------------------------------------------ internals
 
@@ -171,16 +173,16 @@ class GraphRunner:
         for w in writes:
             self.pool.store(w.index, w.is_swa, loc, w.k, w.v)
 
-    def _record_emulated(self, loc: Tensor, writes: list[LayerWrite], run_once: Callable[[], None],
+    def _record_emulated(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                          warmups: int) -> CapturedGraph:
         for _ in range(warmups):
             run_once()
         with self.pool.recording(Recording(emulate=True)) as recording:
             run_once()
         recording.settle()
-        return CapturedGraph(loc, writes, self._mapping(), recording)
+        return CapturedGraph(loc, writes, mapping, recording)
 
-    def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], run_once: Callable[[], None],
+    def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                      warmups: int) -> CapturedGraph:
         device = self.pool.device
         side = torch.cuda.Stream(device)
@@ -193,8 +195,4 @@ class GraphRunner:
         with torch.cuda.graph(graph), self.pool.recording(Recording(emulate=False)) as recording:
             run_once()
         recording.settle()
-        return CapturedGraph(loc, writes, self._mapping(), recording, graph)
-
-    def _mapping(self) -> Tensor:
-        assert self.pool.full_to_swa_index_mapping is not None, "no mapping registered"
-        return self.pool.full_to_swa_index_mapping
+        return CapturedGraph(loc, writes, mapping, recording, graph)

@@ -56,7 +56,7 @@ from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvariantViolation, OutOfMemory, ensure, require
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
@@ -316,8 +316,8 @@ class SWATokenToKVPoolAllocator:
     def restore_state(self, state: object) -> None:
         """Give back every page allocated since ``state``; M keeps its entries (R3, §8 item 1): no invalidation."""
         op, full, swa = "restore_state", self.full_attn_allocator, self.swa_attn_allocator
-        require(isinstance(state, SWAAllocatorBackup), op, "state", "not a backup_state() result")
-        assert isinstance(state, SWAAllocatorBackup)
+        if not isinstance(state, SWAAllocatorBackup):
+            raise InvalidOperation(op, "state", "not a backup_state() result")
         # only allocations may happen between backup_state and restore_state
         require(state.epoch == self._epoch, op, "state",
                 f"pages were released since backup_state (epoch {state.epoch} -> {self._epoch})")

@@ -53,7 +53,7 @@ import torch
 from kvproof.gpu_runtime._recording import Launch, Recording
 from kvproof.gpu_runtime.paged import as_index, resolve_device
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import require
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import KeyScheme
 
 __all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
@@ -113,6 +113,13 @@ class SWAKVPool:
             # a translation cached from the old mapping tensor says nothing about the new one
             self.invalidate_loc_cache()
 
+    def require_mapping(self, op: str) -> Tensor:
+        """The registered mapping tensor; ``InvalidOperation(op, "full_to_swa_index_mapping")`` if none is yet."""
+        mapping = self.full_to_swa_index_mapping
+        if mapping is None:
+            raise InvalidOperation(op, "full_to_swa_index_mapping", "no mapping registered (call register_mapping)")
+        return mapping
+
     def register_slot_check(self, check: SlotCheck) -> None:
         """Validate full slots with the allocator's liveness check (it owns ``fill``)."""
         self._slot_check = check
@@ -125,10 +132,9 @@ class SWAKVPool:
     # ------------------------------------------------------------ buffers
 
     def _layer(self, op: str, layer_id: int) -> tuple[int, bool]:
-        where = self.layers_mapping.get(layer_id) if isinstance(layer_id, int) else None
-        require(where is not None, op, "layer_id", f"{layer_id} is outside [0, {len(self.layers_mapping)})")
-        assert where is not None
-        return where
+        require(isinstance(layer_id, int) and layer_id in self.layers_mapping, op, "layer_id",
+                f"{layer_id} is outside [0, {len(self.layers_mapping)})")
+        return self.layers_mapping[layer_id]
 
     def _pool(self, is_swa: bool) -> Tensor:
         return self.swa_kv if is_swa else self.full_kv
@@ -167,17 +173,15 @@ class SWAKVPool:
         invalidation points' business: a key says where ``kv_indices`` lives, not what
         it holds (C1).
         """
-        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
+        mapping = self.require_mapping("translate_loc_from_full_to_swa")
         key, cached = self.loc_cache_key(kv_indices), self._cached_swa_loc
         if cached is not None and key == self._cached_loc_key:
             return cached  # a hit launches nothing (under a capture: records nothing, S6)
-        value = self._gather(kv_indices)
+        value = self._gather(mapping, kv_indices)
         self._cached_loc_key, self._cached_swa_loc = key, value
         return value
 
-    def _gather(self, x: Tensor) -> Tensor:
-        mapping = self.full_to_swa_index_mapping
-        assert mapping is not None
+    def _gather(self, mapping: Tensor, x: Tensor) -> Tensor:
         if self._recording is None:
             return mapping[x]
         # a capture records the gather into the output tensor the cache will hold (C3)
@@ -225,8 +229,9 @@ class SWAKVPool:
                 f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
         # each row holds head_num * head_dim values
         require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
-        if is_swa:
-            require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
+        # an SWA layer writes through the mapping
+        require(not is_swa or self.full_to_swa_index_mapping is not None, op, "layer_id",
+                "SWA layer but no mapping registered")
         return i, is_swa, k, v
 
     def check_loc(self, op: str, loc: Tensor, argument: str = "loc") -> None:
@@ -235,8 +240,7 @@ class SWAKVPool:
 
     def check_translatable(self, op: str, loc: Tensor) -> None:
         """Entries are -1 (no prefix) or full slot ids: what a gather through M may index."""
-        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
-        n = self.full_to_swa_index_mapping.numel() - 1
+        n = self.require_mapping(op).numel() - 1
         require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
 
     def store(self, index: int, is_swa: bool, loc: Tensor, k: Tensor, v: Tensor, *, cached: bool = True) -> None:
@@ -249,8 +253,7 @@ class SWAKVPool:
         elif cached:
             dest = self.translate_loc_from_full_to_swa(loc)
         else:
-            assert self.full_to_swa_index_mapping is not None
-            dest = self.full_to_swa_index_mapping[loc]
+            dest = self.require_mapping("set_kv_buffer")[loc]
         self._launch(partial(_write_rows, self._pool(is_swa)[index], dest, k, v))
 
     # ------------------------------------------------------------ CPU copies (§2.8)
@@ -293,9 +296,8 @@ class SWAKVPool:
         return swa[:, :, row_mask], t[old_mask][row_mask]
 
     def _unpack_copy(self, op: str, kv: object) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        ok = isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)
-        require(ok, op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
-        assert isinstance(kv, Mapping)
+        if not (isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)):
+            raise InvalidOperation(op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
         mask = kv.get("swa_mask")
         # the legacy (maskless) format cannot say which saved row is which position
         require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.arith import ceil_p, floor_p
 from kvproof.reference.arith import swa_tail_len as _tail
+from kvproof.reference.config import ConfigModel
 from kvproof.reference.errors import OutOfMemory, ensure, require
 
 __all__ = [
@@ -84,7 +85,7 @@ class PreallocPolicy(str, enum.Enum):
     CORRECTED = "corrected"  # page-rounded requirements, budgets recomputed from the pools
 
 
-class DecodeConfig(BaseModel):
+class DecodeConfig(ConfigModel):
     """The decode node's knobs (§1.1): R, CLIP, the policy, and whether tail preallocation is on."""
 
     model_config = _FROZEN

@@ -43,7 +43,8 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvproof.reference.arith import ceil_p
-from kvproof.reference.errors import OutOfMemory, ensure, require
+from kvproof.reference.config import ConfigModel
+from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 
 __all__ = [
     "Coordinator",
@@ -80,7 +81,7 @@ class Coordinator(str, enum.Enum):
     PRE_23606 = "pre_23606"  # token-granular alloc(n) for staging and alloc(#reqs) for a backup batch
 
 
-class HostPoolConfig(BaseModel):
+class HostPoolConfig(ConfigModel):
     """Host pool geometry and the request table's shape."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -97,12 +98,13 @@ class HostPoolConfig(BaseModel):
     def _transfer_pages(self) -> HostPoolConfig:
         # the host page size divides the transfer page size or equals it (1 | 64 before, 64 == 64 after)
         if self.transfer_page_size % self.page_size:
-            raise ValueError(f"device_page_size {self.transfer_page_size} is not a multiple of "
-                             f"page_size {self.page_size}")
+            raise ConfigError("HostPoolConfig", "device_page_size",
+                              f"must be a multiple of page_size ({self.page_size}), got {self.transfer_page_size}")
         # #23606 makes the host page size the device page size
         if self.coordinator is Coordinator.PAGED and self.transfer_page_size != self.page_size:
-            raise ValueError(f"coordinator 'paged' uses the device page size as host page size: device_page_size "
-                             f"{self.transfer_page_size} != page_size {self.page_size}")
+            raise ConfigError("HostPoolConfig", "device_page_size",
+                              f"coordinator 'paged' uses the device page size as host page size: device_page_size "
+                              f"{self.transfer_page_size} != page_size {self.page_size}")
         return self
 
     @property
@@ -120,7 +122,7 @@ class HostPoolConfig(BaseModel):
     @classmethod
     def from_requested_size(cls, size: int, page_size: int, **fields: object) -> HostPoolConfig:
         """``HostKVCache``'s sizing: ``page_num = size // P_h + 1`` (§4.2)."""
-        return cls(page_size=page_size, num_pages=size // page_size + 1, **fields)  # type: ignore[arg-type]
+        return cls.model_validate({"page_size": page_size, "num_pages": size // page_size + 1, **fields})
 
     def label(self) -> str:
         dev = f"-D{self.device_page_size}" if self.device_page_size not in (None, self.page_size) else ""

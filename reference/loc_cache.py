@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import require
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.index_memory import (
     ELEMENT_BYTES,
     IndexMemory,
@@ -382,10 +382,9 @@ def replay(system: LocCacheSystem, rows: Rows) -> LocCacheSystem:
     the graph writes every layer's rows; SWA layers use the recorded gather (fresh) or
     the constant captured with it.
     """
-    op = "replay"
-    require(system.graph is not None, op, "graph", "nothing was captured")
-    assert system.graph is not None
-    graph = system.graph
+    op, graph = "replay", system.graph
+    if graph is None:
+        raise InvalidOperation(op, "graph", "nothing was captured")
     _check_batch(system, op, graph.loc)
     system = _at(system, InvalidationPoint.FORWARD)
     value = fresh_translation(system, graph.loc) if graph.recorded_gather else graph.constant

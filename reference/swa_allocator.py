@@ -533,14 +533,14 @@ def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int
 def _extend_slots(prefix_len: int, seq_len: int, last_loc: int, new_pages: Sequence[int], p: int) -> list[int]:
     """Slots of one request's extend: part 1 after ``last_loc``, then the new pages in order (§1.3)."""
     n1, n2, n3 = extend_parts(prefix_len, seq_len, p)
+    # G4: the capacity check took exactly the pages the geometry needs
+    ensure(len(new_pages) == n2 // p + (n3 > 0), "G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
     slots = [last_loc + 1 + i for i in range(n1)]
     for page in new_pages[: n2 // p]:
         slots.extend(range(page * p, page * p + p))
     if n3:
         page = new_pages[n2 // p]
         slots.extend(range(page * p, page * p + n3))
-    if len(new_pages) != n2 // p + (n3 > 0):
-        raise InvariantViolation("G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
     return slots
 
 
@@ -591,10 +591,12 @@ def _release_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllo
     for g in touched:
         for f in range(g * p, g * p + state.fill[g]):
             s = mapping[f]
-            if s > 0 and (not state.swa.is_allocated(s // p) or state.swa.owner[s // p] != state.full.owner[g]):
-                raise InvariantViolation("M2", f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
-            if s > 0:
-                swa_pages.append(s // p)
+            if s <= 0:
+                continue
+            # M2: the SWA page released with a live full slot is held by the same owner
+            ensure(state.swa.is_allocated(s // p) and state.swa.owner[s // p] == state.full.owner[g], "M2",
+                   f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
+            swa_pages.append(s // p)
     zeroed = [f for g in touched for f in range(g * p, g * p + p)]
     state = _set_mapping(state, zeroed, (0,) * len(zeroed))
     return state.model_copy(update={"swa": release_pages(state.swa, swa_pages),
