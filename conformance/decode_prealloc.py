@@ -35,7 +35,6 @@ from kvproof.conformance.vector import recorded
 from kvproof.reference import decode_prealloc as dp
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import OutOfMemory
 
 __all__ = ["DecodePreallocMachine", "RULE_CAPABILITIES", "rule_capabilities", "allocating_needs", "machine_for"]
 
@@ -148,8 +147,8 @@ class DecodePreallocMachine(LockstepMachine):
         impl_call, describe = self._impl_call(call)
 
         def reference() -> tuple[Any, Any]:
-            if call.outcome != "ok":
-                raise OutOfMemory(call.op, "?", 0, 0)
+            if call.error is not None:
+                raise call.error
             return None, call.result
 
         out = self._run(call.op, f"request {call.rid}: {describe}", reference, impl_call)

@@ -134,15 +134,23 @@ class DecodeNode(BaseModel):
 
 
 class AllocatorCall(BaseModel):
-    """One allocator operation the node made, with its outcome (for replay on an implementation)."""
+    """One allocator operation the node made, with its outcome (for replay on an implementation).
+
+    ``error`` is the reference's own :class:`OutOfMemory` when the call failed (its op,
+    pool and page counts), ``None`` when it succeeded; ``result`` the slots it returned.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     op: str
     rid: int
     args: dict[str, Any]
-    outcome: str  # "ok" or the error class name
+    error: OutOfMemory | None = None
     result: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 class Crash(BaseModel):
@@ -351,14 +359,14 @@ class _Calls:
         try:
             out = fn(self.state, **args)
         except OutOfMemory as err:
-            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome=type(err).__name__))
+            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, error=err))
             raise
         if isinstance(out, sa.KVCpuCopy):
-            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome="ok"))
+            self.calls.append(AllocatorCall(op=op, rid=rid, args=args))
             return out
         state, result = out if isinstance(out, tuple) else (out, ())
         self.state = state
-        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome="ok", result=tuple(result or ())))
+        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, result=tuple(result or ())))
         return tuple(result or ())
 
     def write(self, rid: int, slots: Sequence[int], positions: Sequence[int], node: DecodeNode) -> None:
