@@ -251,7 +251,7 @@ class PagedTokenToKVPoolAllocator:
         if duplicates_ok:
             return None
         distinct: Tensor = torch.unique(slots)
-        require(distinct.numel() == slots.numel(), op, argument, "a slot appears twice")
+        require(distinct.numel() == slots.numel(), op, argument, lambda: _explain_repeat(slots))
         return distinct
 
     def _explain_dead(self, slots: Tensor, freed_means: str) -> str:
@@ -280,3 +280,13 @@ class PagedTokenToKVPoolAllocator:
         owned[free] = False
         ok = ((fill >= 1) & (fill <= self.page_size)) | ~owned
         ensure(bool(ok.all()), "G3", f"{self.name} pages neither free nor live (leak) or over-full")
+
+
+def _explain_repeat(slots: Tensor) -> str:
+    """Message naming the first slot (in argument order) that repeats an earlier one (slow path, errors only)."""
+    seen: set[int] = set()
+    for f in slots.tolist():
+        if f in seen:
+            return f"slot {f} appears twice"
+        seen.add(f)
+    return "a slot appears twice"

@@ -50,7 +50,7 @@ import torch
 
 from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
-from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
+from kvproof.gpu_runtime._mapping import Owners, check_live_mapping
 from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation
 from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
@@ -253,12 +253,17 @@ class SWATokenToKVPoolAllocator:
             return
         self._invalidate_at(P.SET_FULL_TO_SWA_MAPPING)  # upstream: after the empty / length checks
         self.full_attn_allocator.check_live(op, "full_indices", f, duplicates_ok=False)
-        # [Differs from the reference: a negative SWA slot breaks M1; the reference's check skips entries <= 0]
-        require(not bool((s < 0).any()), op, "swa_indices", "negative SWA slot (M1)")
+        p, top = self.page_size, self.swa_attn_allocator.end_slot
+        # M1: 0 (no SWA slot) or a real SWA slot
+        real = (s == 0) | ((s >= p) & (s < top))
+        require(bool(real.all()), op, "swa_indices",
+                lambda: f"{int(s[~real][0])} is neither 0 nor an SWA slot in [{p}, {top})")
         candidate = self.full_to_swa_index_mapping.clone()
         candidate.index_copy_(0, f, s)
-        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator, candidate, self._owners)
-        require(broken is None, op, "swa_indices", "the mapping would break [%s] %s" % (broken or ("", "")))
+        try:
+            check_live_mapping(self.full_attn_allocator, self.swa_attn_allocator, candidate, self._owners)
+        except InvariantViolation as err:
+            raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
         self._map(f, s)  # in place: the pool and any captured graph hold this tensor
         self._epoch += 1  # restore_state never restores M, so it cannot undo a remap: older backups are stale
 
@@ -357,10 +362,8 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.check_invariants()
         self.swa_attn_allocator.check_invariants()
         self._check_mapping_values()
-        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator,
-                                        self.full_to_swa_index_mapping, self._owners)
-        if broken is not None:
-            raise InvariantViolation(*broken)
+        check_live_mapping(self.full_attn_allocator, self.swa_attn_allocator, self.full_to_swa_index_mapping,
+                           self._owners)
 
     # ------------------------------------------------------------ internals (mutants override these)
 

@@ -43,7 +43,7 @@ Where kvproof deliberately differs from SGLang 0.5.23, the code says
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -74,6 +74,7 @@ __all__ = [
     "set_kv_buffer",
     "set_full_to_swa_mapping",
     "check_live_mapping",
+    "check_live_pairs",
     "translate_loc_from_full_to_swa",
     "available_size",
     "full_available_size",
@@ -623,25 +624,39 @@ def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:
 def check_live_mapping(state: SWAAllocatorState) -> None:
     """M2 (as maintained) and M5 over live slots, plus: every owned SWA page is reachable (G3).
 
-    Raises :class:`InvariantViolation`; :mod:`kvproof.reference.invariants` runs it with
-    the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
+    Raises :class:`InvariantViolation` (:func:`check_live_pairs`); :mod:`kvproof.reference.invariants`
+    runs it with the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
     """
-    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    mapping, swa = state.full_to_swa_index_mapping, state.swa
+    live = [(f, s) for f, s in enumerate(mapping[:-1]) if s > 0 and is_live(state, f)]
+    swa_owner = {h: who for h in range(1, swa.num_pages + 1) if (who := swa.owner[h]) is not None}
+    check_live_pairs(state.config.page_size, live, state.full.owner, swa_owner)
+
+
+def check_live_pairs(page_size: int, live: Iterable[tuple[int, int]], full_owner: Sequence[Owner | None],
+                     swa_owner: Mapping[int, Owner]) -> None:
+    """The rules of :func:`check_live_mapping` over plain values, shared with the torch runtime.
+
+    ``live``: ``(f, M[f])`` for every live full slot ``f`` with ``M[f] > 0``, ascending;
+    ``full_owner[g]``: the owner of full page ``g``; ``swa_owner``: the owner of every
+    allocated SWA page (labels are only compared for equality). Raises
+    :class:`InvariantViolation` for the first slot that breaks a rule, in slot order, then G3.
+    """
+    p = page_size
     seen: dict[int, int] = {}
     page_of_swa_page: dict[int, int] = {}
-    for f, s in enumerate(mapping[:-1]):
-        if s <= 0 or not is_live(state, f):
-            continue
+    for f, s in live:
         g, h = f // p, s // p
         # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
-        ensure(state.swa.is_allocated(h), "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
-        ensure(state.swa.owner[h] == state.full.owner[g], "M2",
-               f"full slot {f} (owner {state.full.owner[g]}) maps to SWA slot {s} of owner {state.swa.owner[h]}")
+        ensure(h in swa_owner, "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
+        ensure(swa_owner[h] == full_owner[g], "M2",
+               f"full slot {f} (page {g}) maps to SWA slot {s} in page {h} of another owner")
         ensure(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
         seen[s] = f
         # M5: same offset in page, and one SWA page pairs with one full page
         ensure(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
-        ensure(page_of_swa_page.setdefault(h, g) == g, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
-    orphans = [h for h in range(1, state.swa.num_pages + 1) if state.swa.is_allocated(h) and h not in page_of_swa_page]
+        ensure(page_of_swa_page.setdefault(h, g) == g, "M5",
+               f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
+    orphans = [h for h in swa_owner if h not in page_of_swa_page]
     # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
-    ensure(not orphans, "G3", f"SWA pages owned but mapped from no live full slot: {orphans}")
+    ensure(not orphans, "G3", lambda: f"SWA pages owned but mapped from no live full slot: {sorted(orphans)}")

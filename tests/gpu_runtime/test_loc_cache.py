@@ -483,13 +483,15 @@ def test_set_full_to_swa_mapping_matches_the_reference(name: str, device: str) -
         s = R.set_full_to_swa_mapping(s, full, swa)
         want = None
     except InvalidOperation as e:
-        want = (e.op, e.argument)
+        want = (e.op, e.argument, str(e))
     try:
         a.set_full_to_swa_mapping(t(full, device), t(swa, device))
         got = None
     except InvalidOperation as e:
-        got = (e.op, e.argument)
-    assert got == want == (None if argument is None else ("set_full_to_swa_mapping", argument))
+        got = (e.op, e.argument, str(e))
+    # the same violation: the same class, op, argument and message in both layers
+    assert got == want
+    assert (None if got is None else got[:2]) == (None if argument is None else ("set_full_to_swa_mapping", argument))
     assert a.snapshot() == R.snapshot(s)
     check_invariants(s)
     a.check_invariants()
@@ -519,6 +521,7 @@ def test_negative_swa_slot_is_rejected_as_by_the_reference() -> None:
         R.set_full_to_swa_mapping(_state_after([("A", 3, -1), ("B", 2, -1), ("C", 1, -1)]), [A[0]], [-5])
     assert (e.value.op, e.value.argument) == (e_ref.value.op, e_ref.value.argument) == (
         "set_full_to_swa_mapping", "swa_indices")
+    assert str(e.value) == str(e_ref.value) == "set_full_to_swa_mapping: swa_indices: -5 is neither 0 nor an SWA slot in [2, 10)"
 
 
 def test_register_mapping_matches_the_reference(device: str) -> None:
