@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime.paged import resolve_device
 from kvproof.reference.arith import ceil_p
+from kvproof.reference.contract import Capability
 from kvproof.reference.errors import ConfigError, OutOfMemory, require
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
 

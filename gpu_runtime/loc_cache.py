@@ -35,7 +35,7 @@ from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
 from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import InvalidationPoint
 
-__all__ = ["ModelRunner", "GraphRunner", "LayerWrite", "Invalidate", "check_forward"]
+__all__ = ["GraphRunner", "Invalidate", "LayerWrite", "ModelRunner", "check_forward"]
 
 Tensor = torch.Tensor
 #: The owner's invalidation call site: drops the pool's cache if ``point`` is on.
@@ -185,7 +185,7 @@ class GraphRunner:
     def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                      warmups: int) -> CapturedGraph:
         device = self.pool.device
-        side = torch.cuda.Stream(device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch 2.13 leaves Stream.__new__ untyped
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-ups on a side stream, as torch asks before a capture
             for _ in range(warmups):

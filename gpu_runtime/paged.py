@@ -37,7 +37,7 @@ import torch
 from kvproof.gpu_runtime._geometry import Plan, count_new_pages, decode_plan, extend_plan, page_offsets, page_slots
 from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 
-__all__ = ["PagedTokenToKVPoolAllocator", "PagedBackup", "default_device", "resolve_device", "as_index"]
+__all__ = ["PagedBackup", "PagedTokenToKVPoolAllocator", "as_index", "default_device", "resolve_device"]
 
 Tensor = torch.Tensor
 _I64 = torch.int64

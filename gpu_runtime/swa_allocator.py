@@ -48,7 +48,6 @@ from typing import ClassVar
 
 import torch
 
-from kvproof.reference.contract import Capability
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
 from kvproof.gpu_runtime._mapping import Owners, check_live_mapping
 from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation
@@ -56,11 +55,12 @@ from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
-__all__ = ["SWATokenToKVPoolAllocator", "SWAAllocatorBackup"]
+__all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 
 Tensor = torch.Tensor
 P = InvalidationPoint

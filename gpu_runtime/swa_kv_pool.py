@@ -56,7 +56,7 @@ from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import KeyScheme
 
-__all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
+__all__ = ["KVCpuCopy", "SWAKVPool", "SlotCheck"]
 
 Tensor = torch.Tensor
 #: ``get_cpu_copy``'s result: ``{"full": ..., "swa": ..., "swa_mask": ...}``.

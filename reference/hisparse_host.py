@@ -49,32 +49,32 @@ from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 __all__ = [
     "Coordinator",
     "HostPoolConfig",
-    "HostPoolState",
     "HostPoolSnapshot",
-    "row_width",
-    "allocated_len_after",
-    "host_new_pages",
-    "host_slot",
-    "initial_state",
-    "available_size",
+    "HostPoolState",
+    "admit_request_into_staging",
     "alloc",
     "alloc_page",
     "alloc_paged_token_slots",
     "allocated_host_indices",
-    "request_finished",
-    "admit_request_into_staging",
-    "eager_backup_previous_token",
-    "set_host_data",
-    "get_host_data",
-    "snapshot",
+    "allocated_len_after",
+    "available_size",
     "check_host_pool",
     "check_host_snapshot",
+    "eager_backup_previous_token",
+    "get_host_data",
+    "host_new_pages",
+    "host_slot",
+    "initial_state",
+    "request_finished",
+    "row_width",
+    "set_host_data",
+    "snapshot",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-class Coordinator(str, enum.Enum):
+class Coordinator(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """Which coordinator calls the host pool (§4.5, §4.7)."""
 
     PAGED = "paged"  # PR #23606: whole host pages per request, alloc_paged_token_slots
@@ -363,7 +363,7 @@ def _backup_paged(state: HostPoolState, op: str, kept: list[tuple[int, int, int]
     if total * p > len(state.free_slots):
         short = next(r for r, k in wanted if k)
         raise OutOfMemory(op, "host", total, len(state.free_slots) // p, request=short)
-    written = []
+    written: list[int] = []
     for r, pos, v in kept:
         state, slots = alloc_paged_token_slots(state, r, pos, 1)
         state = set_host_data(state, slots, [v])

@@ -19,16 +19,16 @@ from kvproof.reference.errors import require
 
 __all__ = [
     "ELEMENT_BYTES",
-    "Storage",
-    "IndexView",
     "IndexMemory",
-    "new_storage",
-    "free_storage",
-    "write_index",
-    "make_view",
-    "view_contents",
+    "IndexView",
+    "Storage",
     "data_ptr",
+    "free_storage",
+    "make_view",
+    "new_storage",
     "storage_ptr",
+    "view_contents",
+    "write_index",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -88,7 +88,7 @@ def new_storage(memory: IndexMemory, base: int, contents: Sequence[int]) -> tupl
         clash = s.alive and base < s.base + len(s.contents) * ELEMENT_BYTES and s.base < end
         # two live storages never overlap (an allocator may reuse only freed addresses)
         require(not clash, op, "base", f"[{base}, {end}) overlaps live storage {sid} at {s.base}")
-    storages = memory.storages + (Storage(base=base, contents=tuple(int(x) for x in contents)),)
+    storages = (*memory.storages, Storage(base=base, contents=tuple(int(x) for x in contents)))
     return IndexMemory(storages=storages), len(storages) - 1
 
 
@@ -102,7 +102,7 @@ def write_index(memory: IndexMemory, storage: int, offset: int, values: Sequence
     """Rewrite elements in place (a scheduler buffer reused for the next batch)."""
     op = "write_index"
     s = _live(memory, op, storage)
-    require(0 <= offset and offset + len(values) <= len(s.contents), op, "offset",
+    require(offset >= 0 and offset + len(values) <= len(s.contents), op, "offset",
             f"[{offset}, {offset + len(values)}) is outside storage {storage} of {len(s.contents)} elements")
     contents = s.contents[:offset] + tuple(int(v) for v in values) + s.contents[offset + len(values):]
     return _replace(memory, storage, s.model_copy(update={"contents": contents}))
@@ -112,7 +112,7 @@ def make_view(memory: IndexMemory, storage: int, offset: int, numel: int) -> Ind
     """``storage[offset:offset + numel]`` as a view (same storage, its own address)."""
     op = "make_view"
     s = _live(memory, op, storage)
-    require(numel >= 1 and 0 <= offset and offset + numel <= len(s.contents), op, "numel",
+    require(numel >= 1 and offset >= 0 and offset + numel <= len(s.contents), op, "numel",
             f"view [{offset}, {offset + numel}) does not fit storage {storage} of {len(s.contents)} elements")
     return IndexView(storage=storage, offset=offset, numel=numel)
 

@@ -26,7 +26,8 @@ def check_pool(pool: PagedPool, name: str) -> None:
     """G1-G3 for one pool: free pages are real, unique pages; free iff unowned."""
     free = pool.free_pages
     # G1: free pages are 1..num_pages, page 0 never, no duplicates
-    ensure(all(1 <= g <= pool.num_pages for g in free), "G1", f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
+    ensure(all(1 <= g <= pool.num_pages for g in free), "G1",
+           f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
     ensure(len(set(free)) == len(free), "G1", f"{name} free list has a duplicate page: {free}")
     # G2: available never exceeds the pool (the only runtime over-free check upstream)
     ensure(pool.available_size <= pool.size, "G2", f"{name} available {pool.available_size} > size {pool.size}")
@@ -46,7 +47,8 @@ def check_invariants(state: SWAAllocatorState) -> None:
     for g in range(1, cfg.num_pages_full + 1):
         allocated = state.full.is_allocated(g)
         # ghost fill: a free page has no live slot, an allocated one 1..P
-        ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3", f"page {g} has fill {state.fill[g]}")
+        ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3",
+               f"page {g} has fill {state.fill[g]}")
     # M1: sentinel, reserved page unmapped, values are 0 or real SWA slots
     ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")
     ensure(all(m == 0 for m in mapping[:p]), "M1", f"reserved page 0 is mapped: {mapping[:p]}")

@@ -74,43 +74,43 @@ from kvproof.reference.paged import Owner
 
 __all__ = [
     "ELEMENT_BYTES",
-    "KeyScheme",
-    "InvalidationPoint",
     "UPSTREAM_POINTS",
-    "LocCachePolicy",
-    "Storage",
-    "IndexView",
-    "IndexMemory",
-    "LocCache",
     "CapturedGraph",
-    "StaleRead",
+    "IndexMemory",
+    "IndexView",
+    "InvalidationPoint",
+    "KeyScheme",
+    "LocCache",
+    "LocCachePolicy",
     "LocCacheSystem",
-    "initial_system",
-    "new_storage",
-    "free_storage",
-    "write_index",
-    "make_view",
-    "view_contents",
-    "data_ptr",
-    "cache_key",
-    "fresh_translation",
-    "invalidate_loc_cache",
-    "translate_loc_from_full_to_swa",
-    "forward",
-    "capture",
-    "replay",
+    "StaleRead",
+    "Storage",
     "alloc",
-    "alloc_extend",
     "alloc_decode",
+    "alloc_extend",
     "alloc_extend_swa_tail",
-    "free",
-    "free_swa",
-    "free_full",
-    "set_full_to_swa_mapping",
-    "clear",
     "backup_state",
-    "restore_state",
+    "cache_key",
+    "capture",
+    "clear",
+    "data_ptr",
+    "forward",
+    "free",
+    "free_full",
+    "free_storage",
+    "free_swa",
+    "fresh_translation",
+    "initial_system",
+    "invalidate_loc_cache",
+    "make_view",
+    "new_storage",
     "register_mapping",
+    "replay",
+    "restore_state",
+    "set_full_to_swa_mapping",
+    "translate_loc_from_full_to_swa",
+    "view_contents",
+    "write_index",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -118,14 +118,14 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Rows = Mapping[int, tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]]
 
 
-class KeyScheme(str, enum.Enum):
+class KeyScheme(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """What the cache key is made of."""
 
     DATA_PTR = "data_ptr"  # (x.data_ptr(), x.numel()): the view's own address (#25824 as merged)
     STORAGE_BASE = "storage_base"  # (x.untyped_storage().data_ptr(), x.numel()): intermediate revision (S5)
 
 
-class InvalidationPoint(str, enum.Enum):
+class InvalidationPoint(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """A place where upstream calls ``invalidate_loc_cache()`` (§3.3)."""
 
     ALLOC = "alloc"
@@ -309,7 +309,7 @@ def _note(system: LocCacheSystem, op: str, pool: int, view: IndexView, value: tu
     if value == fresh:
         return system
     read = StaleRead(op=op, pool=pool, view=view, returned=value, fresh=fresh)
-    return system.model_copy(update={"stale_reads": system.stale_reads + (read,)})
+    return system.model_copy(update={"stale_reads": (*system.stale_reads, read)})
 
 
 # ---------------------------------------------------------------- forward, capture, replay

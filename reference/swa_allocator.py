@@ -55,32 +55,32 @@ from kvproof.reference.paged import Owner, PagedPool, initial_pool, release_page
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [
-    "SWAAllocatorState",
     "AllocatorBackup",
     "KVCpuCopy",
-    "initial_state",
+    "SWAAllocatorState",
     "alloc",
-    "alloc_extend",
     "alloc_decode",
+    "alloc_extend",
     "alloc_extend_swa_tail",
-    "free",
-    "free_swa",
-    "free_full",
-    "clear",
+    "available_size",
     "backup_state",
-    "restore_state",
-    "get_cpu_copy",
-    "load_cpu_copy",
-    "set_kv_buffer",
-    "set_full_to_swa_mapping",
     "check_live_mapping",
     "check_live_pairs",
-    "translate_loc_from_full_to_swa",
-    "available_size",
+    "clear",
+    "free",
+    "free_full",
+    "free_swa",
     "full_available_size",
-    "swa_available_size",
+    "get_cpu_copy",
+    "initial_state",
     "is_live",
+    "load_cpu_copy",
+    "restore_state",
+    "set_full_to_swa_mapping",
+    "set_kv_buffer",
     "snapshot",
+    "swa_available_size",
+    "translate_loc_from_full_to_swa",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -496,7 +496,8 @@ def _check_extend_args(state: SWAAllocatorState, op: str, prefix_lens: Sequence[
             continue
         _check_live(state, op, "last_loc", (loc,), duplicates_ok=True)
         # the new token continues right after last_loc (SGLang's debug-mode check)
-        require((loc + 1) % p == pre % p, op, "last_loc", f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
+        require((loc + 1) % p == pre % p, op, "last_loc",
+                f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
         require(state.fill[loc // p] == loc % p + 1, op, "last_loc",
                 f"slot {loc} is not the last live slot of page {loc // p}")
         if pre % p and seq > pre:
@@ -524,7 +525,8 @@ def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int
             who = current if current is not None else nxt
             nxt += current is None
         else:
-            require(len(owners) == len(prefix_lens), op, "owners", f"{len(owners)} owners for {len(prefix_lens)} requests")
+            require(len(owners) == len(prefix_lens), op, "owners",
+                    f"{len(owners)} owners for {len(prefix_lens)} requests")
             who = owners[i]
             require(current is None or current == who, op, "owners", f"page {loc // p} belongs to {current}, not {who}")
         out.append(who)

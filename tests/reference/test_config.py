@@ -100,4 +100,4 @@ def test_derived_sizes() -> None:
     assert (cfg.num_pages_full, cfg.num_pages_swa, cfg.mapping_len) == (8, 4, 37)
     assert cfg.label() == "P4-W6-F32-S16"
     with pytest.raises(ValidationError):
-        cfg.page_size = 8  # type: ignore[misc]  # frozen: assigning a field is what the test checks
+        cfg.page_size = 8  # frozen

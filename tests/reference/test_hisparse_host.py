@@ -139,7 +139,7 @@ def test_invariant_checker_catches_broken_snapshots() -> None:
     hh.check_host_snapshot(good)
     cases = {
         "H0": good.model_copy(update={"free_slots": good.free_slots[1:] + good.free_slots[:1]}),
-        "H1": good.model_copy(update={"allocated_len": (65,) + good.allocated_len[1:]}),
+        "H1": good.model_copy(update={"allocated_len": (65, *good.allocated_len[1:])}),
         "H2": good.model_copy(update={"free_slots": good.free_slots[64:]}),
     }
     for invariant, snap in cases.items():
