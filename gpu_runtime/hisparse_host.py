@@ -195,20 +195,21 @@ class HiSparseHostPool:
         v = torch.as_tensor(values, dtype=_I64).reshape(-1).cpu()
         require(r.numel() == s.numel() == v.numel(), op, "seq_lens",
                 f"{r.numel()} requests, {s.numel()} seq_lens, {v.numel()} values")
-        require(torch.unique(r).numel() == r.numel(), op, "reqs", f"duplicate request slots in {r.tolist()}")
-        in_range = bool(((r >= 0) & (r < self.config.max_req_slots)).all())
-        bad = r[(r < 0) | (r >= self.config.max_req_slots)].tolist()
+        require(torch.unique(r).numel() == r.numel(), op, "reqs", lambda: f"duplicate request slots in {r.tolist()}")
+        n_req = self.config.max_req_slots
+        out_of_range = (r < 0) | (r >= n_req)
         # request slots index req_to_host_pool's rows
-        require(in_range, op, "req", f"request slot {bad[:1]} out of range [0, {self.config.max_req_slots})")
+        require(not bool(out_of_range.any()), op, "req",
+                lambda: f"request slot {r[out_of_range].tolist()[:1]} out of range [0, {n_req})")
         a = self.allocated_len[r]
         # the request is staged and its previous token exists
         staged = (a > 0) & (s >= 2)
-        require(bool(staged.all()), op, "seq_lens", f"request slots {r[~staged].tolist()} have no previous "
-                "token to back up")
+        require(bool(staged.all()), op, "seq_lens",
+                lambda: f"request slots {r[~staged].tolist()} have no previous token to back up")
         kept = ~self.skip_first_backup[r]
         rk, pos, vk, ak = r[kept], s[kept] - 2, v[kept], a[kept]
         # H4: the backed-up position is at most the allocated length (no hole)
-        require(bool((pos <= ak).all()), op, "seq_lens", f"positions {pos[pos > ak].tolist()} of request slots "
+        require(bool((pos <= ak).all()), op, "seq_lens", lambda: f"positions {pos[pos > ak].tolist()} of request slots "
                 f"{rk[pos > ak].tolist()} pass their allocated lengths (hole)")
         require(bool(((pos < ak) | (ak + p <= self.config.row_width)).all()), op, "seq_lens",
                 f"a backed-up position rounds past the row width {self.config.row_width}")

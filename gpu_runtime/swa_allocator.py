@@ -462,7 +462,7 @@ class SWATokenToKVPoolAllocator:
         """M1: sentinel, reserved page unmapped, values 0 or real SWA slots."""
         m, p, top = self.full_to_swa_index_mapping, self.page_size, self.swa_attn_allocator.end_slot
         ensure(m.numel() == self.config.mapping_len and int(m[-1]) == -1, "M1", "mapping lost its -1 sentinel")
-        ensure(not bool(m[:p].any()), "M1", f"reserved page 0 is mapped: {m[:p].tolist()}")
+        ensure(not bool(m[:p].any()), "M1", lambda: f"reserved page 0 is mapped: {m[:p].tolist()}")
         body = m[:-1]
         ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
                f"entries outside {{0}} or [{p}, {top})")

@@ -33,12 +33,18 @@ class ConfigModel(BaseModel):
 
     Field constraints (``gt=0`` ...) and type errors are translated from pydantic's
     ``ValidationError``; model validators raise ``ConfigError`` themselves, and the
-    one they raise is what the caller gets (also from a nested configuration).
+    one they raise is what the caller gets (also from a nested configuration). A nested
+    configuration's field error names the outer model and the path (``PoolConfig.kv.head_num``).
     """
 
     def __init__(self, /, **data: Any) -> None:
         with _config_errors(type(self)):
             super().__init__(**data)
+
+    # Validation stays pydantic's own: without this flag pydantic would route every validation
+    # (model_validate_json, nested models) through this __init__, in Python mode, where a strict
+    # model rejects JSON arrays as tuples and strings as enums. pydantic's RootModel sets it too.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]  # pydantic's marker, not a typed attribute
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:

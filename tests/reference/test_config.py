@@ -49,18 +49,33 @@ def test_every_way_of_building_a_config_raises_config_error() -> None:
     bad = {**GOOD, "size_swa": 64}
     for build in (lambda: PoolConfig.model_validate(bad),
                   lambda: PoolConfig.model_validate_json('{"size_full": 32, "size_swa": 64, "page_size": 4, '
-                                                         '"sliding_window_size": 6}')):
+                                                         '"sliding_window_size": 6}'),
+                  lambda: PoolConfig.model_validate_strings({k: str(v) for k, v in bad.items()})):
         with pytest.raises(ConfigError, match=r"^PoolConfig\.size_swa: must not exceed"):
             build()
-    # strict: strings are not integers, whatever the entry point
+    # strict in Python: a string is not an integer
     with pytest.raises(ConfigError, match=r"^PoolConfig\.size_full: Input should be a valid integer, got '32'"):
-        PoolConfig.model_validate_strings({k: str(v) for k, v in bad.items()})
+        PoolConfig.model_validate({k: str(v) for k, v in bad.items()})
 
 
-def test_a_nested_config_names_itself() -> None:
-    with pytest.raises(ConfigError, match=r"^KVGeometry\.head_num: ") as info:
+def test_a_nested_config_is_named_by_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"^PoolConfig\.kv\.head_num: Input should be greater than or equal") as e:
         PoolConfig(**GOOD, kv={"head_num": 0})
-    assert (info.value.model, info.value.field) == ("KVGeometry", "head_num")
+    assert (e.value.model, e.value.field) == ("PoolConfig", "kv.head_num")
+    # a nested model validator's own error is passed on as it is
+    with pytest.raises(ConfigError, match=r"^KVGeometry\.full_attention_layer_ids: ") as e:
+        PoolConfig(**GOOD, kv={"full_attention_layer_ids": (0, 1), "swa_attention_layer_ids": (1,)})
+    assert (e.value.model, e.value.field) == ("KVGeometry", "full_attention_layer_ids")
+
+
+def test_json_is_validated_as_json() -> None:
+    """Strict models still take JSON arrays for tuples and strings for enums (vectors are JSON)."""
+    cfg = PoolConfig.model_validate_json(PoolConfig(**GOOD).model_dump_json())
+    assert cfg == PoolConfig(**GOOD) and cfg.kv.full_attention_layer_ids == (1,)
+    host = HostPoolConfig(page_size=4, num_pages=8, max_req_slots=2, max_context_len=8)
+    assert HostPoolConfig.model_validate_json(host.model_dump_json()) == host
+    with pytest.raises(ConfigError, match=r"^HostPoolConfig\.coordinator: "):
+        HostPoolConfig.model_validate_json(host.model_dump_json().replace('"paged"', '"tiled"'))
 
 
 def test_layers_must_split_range() -> None:
