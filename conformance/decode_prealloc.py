@@ -124,8 +124,8 @@ class DecodePreallocMachine(SWALockstep):
         impl_call, describe = self._impl_call(call)
 
         def reference() -> tuple[Any, Any]:
-            if call.outcome != "ok":
-                raise OutOfMemory(call.op, "?", 0, 0)
+            if call.error is not None:
+                raise call.error
             return None, call.result
 
         out = self.call(call.op, f"request {call.rid}: {describe}", reference, impl_call)

@@ -18,11 +18,11 @@ from kvproof.gpu_runtime.swa_allocator import SWAAllocatorBackup, SWATokenToKVPo
 from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
 
 __all__ = [
+    "GraphRunner",
+    "ModelRunner",
     "PagedTokenToKVPoolAllocator",
+    "SWAAllocatorBackup",
     "SWAKVPool",
     "SWATokenToKVPoolAllocator",
-    "SWAAllocatorBackup",
-    "ModelRunner",
-    "GraphRunner",
     "default_device",
 ]

@@ -20,8 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Plan", "SinglePlan", "ExtendPlan", "DecodePlan", "count_new_pages", "extend_plan", "decode_plan",
-           "page_offsets", "page_slots"]
+__all__ = [
+    "DecodePlan",
+    "ExtendPlan",
+    "Plan",
+    "SinglePlan",
+    "count_new_pages",
+    "decode_plan",
+    "extend_plan",
+    "page_offsets",
+    "page_slots",
+]
 
 Tensor = torch.Tensor
 

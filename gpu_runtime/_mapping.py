@@ -2,7 +2,7 @@
 
 SGLang has no page owners. kvproof's reference does (ghost state of
 ``kvproof.reference.swa_allocator``), and validates ``set_full_to_swa_mapping`` with
-them (``check_live_mapping``): the new live mapping must keep
+them (``check_live_mapping``, here too, with the same errors): the new live mapping must keep
 
 * M2 -- a live full slot maps into an *allocated* SWA page of the *same owner*, and no
   two live full slots share an SWA slot;
@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 
 from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
+from kvproof.reference.errors import InvariantViolation
+from kvproof.reference.swa_allocator import check_live_pairs
 
-__all__ = ["Owners", "live_mapping_violation"]
+__all__ = ["Owners", "check_live_mapping"]
 
 Tensor = torch.Tensor
 
@@ -82,17 +84,33 @@ class Owners:
         self.swa.index_put_((swa,), labels)
 
 
-def live_mapping_violation(full: PagedTokenToKVPoolAllocator, swa: PagedTokenToKVPoolAllocator, mapping: Tensor,
-                           owners: Owners) -> tuple[str, str] | None:
-    """``(invariant, message)`` of the first rule ``mapping`` breaks over the live full slots, else ``None``.
+def check_live_mapping(full: PagedTokenToKVPoolAllocator, swa: PagedTokenToKVPoolAllocator, mapping: Tensor,
+                       owners: Owners) -> None:
+    """The reference's ``check_live_mapping`` on ``mapping``: :class:`InvariantViolation` naming the first broken rule.
 
-    The reference's ``check_live_mapping``; entries ``<= 0`` are not checked here (M1 is).
+    A few reductions decide whether any rule breaks; only then are the live pairs
+    brought to the host and checked slot by slot with the reference's own rules
+    (``kvproof.reference.swa_allocator.check_live_pairs``), so the error and its message
+    are the reference's for the same violation. Entries ``<= 0`` are not checked here (M1 is).
     """
     p = full.page_size
     slots = torch.arange(p, full.end_slot, device=mapping.device)
     f = slots[full.live_mask(slots)]
     s = mapping[f]
     f, s = f[s > 0], s[s > 0]
+    broken = _first_broken_rule(f, s, p, swa, owners)
+    if broken is None:
+        return
+    fill, labels = swa.fill.tolist(), owners.swa.tolist()
+    swa_owner = {h: labels[h] for h in range(1, swa.num_pages + 1) if fill[h] > 0}
+    check_live_pairs(p, zip(f.tolist(), s.tolist(), strict=True), owners.full.tolist(), swa_owner)
+    # the per-slot rules passed where a reduction failed: only a broken pool gets here (a live page 0, G1)
+    raise InvariantViolation(*broken)
+
+
+def _first_broken_rule(f: Tensor, s: Tensor, p: int, swa: PagedTokenToKVPoolAllocator,
+                       owners: Owners) -> tuple[str, str] | None:
+    """``(invariant, what)`` of the first rule the live pairs ``(f, s)`` break, by reductions; ``None`` if none."""
     g, h = f // p, (s // p).clamp(max=swa.num_pages + 1)  # past the pool: the never-allocated extra page
     # M2: a live slot maps into an allocated SWA page of its own owner, and no two live slots share an SWA slot
     if not bool((swa.fill[h] > 0).all()):

@@ -14,18 +14,13 @@ from __future__ import annotations
 import torch
 
 from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import require
 
-__all__ = ["require", "ExtendArgs", "check_extend_args", "check_swa_continuation"]
+__all__ = ["ExtendArgs", "check_extend_args", "check_swa_continuation"]
 
 Tensor = torch.Tensor
 #: ``(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)`` as int64 tensors.
 ExtendArgs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
-def require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 def check_extend_args(full: PagedTokenToKVPoolAllocator, op: str, args: ExtendArgs, extend_num_tokens: int) -> None:
@@ -61,8 +56,7 @@ def _check_last_loc(full: PagedTokenToKVPoolAllocator, op: str, pre: Tensor, seq
     if p > 1:  # (last_loc + 1) mod P == prefix_len mod P (SGLang's debug-mode check)
         rule &= (safe + 1) % p == pre % p
     ok = torch.where(pre > 0, rule, last_loc == -1)
-    if not bool(ok.all()):
-        raise InvalidOperation(op, "last_loc", _explain_last_loc(full, pre, last_loc, ok))
+    require(bool(ok.all()), op, "last_loc", lambda: _explain_last_loc(full, pre, last_loc, ok))
     if p == 1 or not bool(((pre_cpu % p != 0) & (seq_cpu > pre_cpu)).any()):
         return
     # two requests cannot continue the same partial page

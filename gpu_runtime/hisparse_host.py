@@ -30,22 +30,17 @@ from collections.abc import Sequence
 
 import torch
 
-from kvproof.reference.contract import Capability
-from kvproof.reference.registry import Component
 from kvproof.gpu_runtime.paged import resolve_device
 from kvproof.reference.arith import ceil_p
-from kvproof.reference.errors import InvalidOperation, OutOfMemory
+from kvproof.reference.contract import Capability
+from kvproof.reference.errors import ConfigError, OutOfMemory, require
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
+from kvproof.reference.registry import Component
 
 __all__ = ["HiSparseHostPool"]
 
 Tensor = torch.Tensor
 _I64 = torch.int64
-
-
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 class HiSparseHostPool:
@@ -56,7 +51,8 @@ class HiSparseHostPool:
 
     def __init__(self, config: HostPoolConfig, device: torch.device | str | None = None) -> None:
         if config.coordinator is not Coordinator.PAGED:
-            raise ValueError(f"the runtime implements the PAGED coordinator only, got {config.coordinator.value}")
+            raise ConfigError("HostPoolConfig", "coordinator",
+                              f"the runtime implements the PAGED coordinator only, got {config.coordinator.value}")
         self.config = config
         self.device = resolve_device(device)
         self.page_size = config.page_size
@@ -101,9 +97,9 @@ class HiSparseHostPool:
     def alloc(self, need_size: int, *, req: int | None = None) -> Tensor:
         """The first ``need_size`` free slots (whole pages only), CPU int64."""
         op, p = "alloc", self.page_size
-        _require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
+        require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
         # the page rule: the host pool hands out whole pages only
-        _require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p} (page rule)")
+        require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p} (page rule)")
         if need_size > self._count:
             raise OutOfMemory(op, "host", need_size // p, self._count // p, request=req)
         idx = (self._head + torch.arange(need_size, dtype=_I64)) % self.size
@@ -112,7 +108,7 @@ class HiSparseHostPool:
         return taken
 
     def alloc_page(self, k: int, *, req: int | None = None) -> Tensor:
-        _require(k >= 0, "alloc_page", "k", f"must be >= 0, got {k}")
+        require(k >= 0, "alloc_page", "k", f"must be >= 0, got {k}")
         return self.alloc(k * self.page_size, req=req)
 
     def free(self, slots: Tensor) -> int:
@@ -132,15 +128,15 @@ class HiSparseHostPool:
         self._check_req(op, req)
         if num_tokens <= 0:  # upstream returns an empty tensor before any other check
             return torch.empty(0, dtype=_I64, device=self.device)
-        _require(start_pos >= 0, op, "start_pos", f"must be >= 0, got {start_pos}")
+        require(start_pos >= 0, op, "start_pos", f"must be >= 0, got {start_pos}")
         a = int(self.allocated_len[req])
         # no holes: a request's host row is filled left to right
-        _require(start_pos <= a, op, "start_pos", f"{start_pos} > allocated length {a} of request {req} (hole)")
+        require(start_pos <= a, op, "start_pos", f"{start_pos} > allocated length {a} of request {req} (hole)")
         end = start_pos + num_tokens
         pe = ceil_p(end, p)
         # the rounded end must fit the row
-        _require(pe <= self.config.row_width, op, "num_tokens",
-                 f"end {end} rounds up to {pe} > row width {self.config.row_width}")
+        require(pe <= self.config.row_width, op, "num_tokens",
+                f"end {end} rounds up to {pe} > row width {self.config.row_width}")
         k = self._new_pages(a, end)
         if k:
             pages = self.alloc_page(k, req=req)
@@ -168,8 +164,8 @@ class HiSparseHostPool:
         """The device-to-host copy (synchronous here)."""
         vals = torch.as_tensor(values, dtype=_I64).reshape(-1)
         slots = slots.to("cpu", _I64).reshape(-1)
-        _require(slots.numel() == vals.numel(), "set_host_data", "values",
-                 f"{vals.numel()} values for {slots.numel()} slots")
+        require(slots.numel() == vals.numel(), "set_host_data", "values",
+                f"{vals.numel()} values for {slots.numel()} slots")
         self.host_data[slots] = vals
 
     def admit_request_into_staging(self, req: int, values: Sequence[int] | Tensor) -> Tensor:
@@ -184,12 +180,12 @@ class HiSparseHostPool:
     def _check_staging(self, req: int, n: int) -> None:
         op = "admit_request_into_staging"
         self._check_req(op, req)
-        _require(n >= 1, op, "values", "a prefill has at least one token")
+        require(n >= 1, op, "values", "a prefill has at least one token")
         # H3: staging starts from an empty row
-        _require(int(self.allocated_len[req]) == 0, op, "req",
-                 f"request slot {req} still holds {int(self.allocated_len[req])} host slots")
-        _require(n <= self.config.max_context_len, op, "values",
-                 f"{n} tokens > max_context_len {self.config.max_context_len}")
+        require(int(self.allocated_len[req]) == 0, op, "req",
+                f"request slot {req} still holds {int(self.allocated_len[req])} host slots")
+        require(n <= self.config.max_context_len, op, "values",
+                f"{n} tokens > max_context_len {self.config.max_context_len}")
 
     def eager_backup_previous_token(self, reqs: Sequence[int] | Tensor, seq_lens: Sequence[int] | Tensor,
                                     values: Sequence[int] | Tensor) -> Tensor:
@@ -198,25 +194,26 @@ class HiSparseHostPool:
         r = torch.as_tensor(reqs, dtype=_I64).reshape(-1).cpu()
         s = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1).cpu()
         v = torch.as_tensor(values, dtype=_I64).reshape(-1).cpu()
-        _require(r.numel() == s.numel() == v.numel(), op, "seq_lens",
-                 f"{r.numel()} requests, {s.numel()} seq_lens, {v.numel()} values")
-        _require(torch.unique(r).numel() == r.numel(), op, "reqs", f"duplicate request slots in {r.tolist()}")
-        in_range = bool(((r >= 0) & (r < self.config.max_req_slots)).all())
-        bad = r[(r < 0) | (r >= self.config.max_req_slots)].tolist()
+        require(r.numel() == s.numel() == v.numel(), op, "seq_lens",
+                f"{r.numel()} requests, {s.numel()} seq_lens, {v.numel()} values")
+        require(torch.unique(r).numel() == r.numel(), op, "reqs", lambda: f"duplicate request slots in {r.tolist()}")
+        n_req = self.config.max_req_slots
+        out_of_range = (r < 0) | (r >= n_req)
         # request slots index req_to_host_pool's rows
-        _require(in_range, op, "req", f"request slot {bad[:1]} out of range [0, {self.config.max_req_slots})")
+        require(not bool(out_of_range.any()), op, "req",
+                lambda: f"request slot {r[out_of_range].tolist()[:1]} out of range [0, {n_req})")
         a = self.allocated_len[r]
         # the request is staged and its previous token exists
         staged = (a > 0) & (s >= 2)
-        _require(bool(staged.all()), op, "seq_lens", f"request slots {r[~staged].tolist()} have no previous "
-                 "token to back up")
+        require(bool(staged.all()), op, "seq_lens",
+                lambda: f"request slots {r[~staged].tolist()} have no previous token to back up")
         kept = ~self.skip_first_backup[r]
         rk, pos, vk, ak = r[kept], s[kept] - 2, v[kept], a[kept]
         # H4: the backed-up position is at most the allocated length (no hole)
-        _require(bool((pos <= ak).all()), op, "seq_lens", f"positions {pos[pos > ak].tolist()} of request slots "
-                 f"{rk[pos > ak].tolist()} pass their allocated lengths (hole)")
-        _require(bool(((pos < ak) | (ak + p <= self.config.row_width)).all()), op, "seq_lens",
-                 f"a backed-up position rounds past the row width {self.config.row_width}")
+        require(bool((pos <= ak).all()), op, "seq_lens", lambda: f"positions {pos[pos > ak].tolist()} of request slots "
+                f"{rk[pos > ak].tolist()} pass their allocated lengths (hole)")
+        require(bool(((pos < ak) | (ak + p <= self.config.row_width)).all()), op, "seq_lens",
+                f"a backed-up position rounds past the row width {self.config.row_width}")
         opens = pos == ak  # the position starts a new page (start <= a, one token)
         k = int(opens.sum())
         if k * p > self._count:
@@ -236,5 +233,5 @@ class HiSparseHostPool:
 
     def _check_req(self, op: str, req: int) -> None:
         # request slots index req_to_host_pool's rows
-        _require(0 <= req < self.config.max_req_slots, op, "req",
-                 f"request slot {req} out of range [0, {self.config.max_req_slots})")
+        require(0 <= req < self.config.max_req_slots, op, "req",
+                f"request slot {req} out of range [0, {self.config.max_req_slots})")

@@ -32,20 +32,15 @@ import torch
 from kvproof.gpu_runtime._recording import Recording
 from kvproof.gpu_runtime.paged import as_index
 from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import InvalidationPoint
 
-__all__ = ["ModelRunner", "GraphRunner", "LayerWrite", "Invalidate", "check_forward"]
+__all__ = ["GraphRunner", "Invalidate", "LayerWrite", "ModelRunner", "check_forward"]
 
 Tensor = torch.Tensor
 #: The owner's invalidation call site: drops the pool's cache if ``point`` is on.
 Invalidate = Callable[[InvalidationPoint], None]
 Rows = Mapping[int, Tensor]
-
-
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +58,7 @@ def check_forward(pool: SWAKVPool, loc: Tensor, cache_k: Rows, cache_v: Rows) ->
     ``out_cache_loc``: live or padding 0, distinct), then each layer's ``set_kv_buffer`` checks
     (layer id, rows), ascending.
     """
-    _require(set(cache_k) == set(cache_v), "forward", "cache_v", f"layers {sorted(cache_v)} != {sorted(cache_k)}")
+    require(set(cache_k) == set(cache_v), "forward", "cache_v", f"layers {sorted(cache_v)} != {sorted(cache_k)}")
     pool.check_loc("forward", loc, "out_cache_loc")
     return [LayerWrite(*pool.check_rows("set_kv_buffer", layer_id, loc, cache_k[layer_id], cache_v[layer_id]))
             for layer_id in sorted(cache_k)]
@@ -123,24 +118,26 @@ class GraphRunner:
         """
         op = "capture"
         loc = static_loc
-        _require(isinstance(loc, Tensor) and loc.dtype == torch.int64 and loc.dim() == 1
-                 and loc.device == self.pool.device, op, "loc", f"not an int64 1-D tensor on {self.pool.device}")
-        _require(not bool(loc.any()), op, "loc", "capture runs on a padding buffer (all 0)")
-        _require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
+        require(isinstance(loc, Tensor) and loc.dtype == torch.int64 and loc.dim() == 1
+                and loc.device == self.pool.device, op, "loc", f"not an int64 1-D tensor on {self.pool.device}")
+        require(not bool(loc.any()), op, "loc", "capture runs on a padding buffer (all 0)")
+        require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
         writes = self._check_static(op, loc, static_k, static_v)
+        mapping = self.pool.require_mapping(op)  # the tensor the graph gathers from
         self.graph = None  # from here on the old graph is gone, as a runner re-capturing drops it
         run_once = partial(self._run_once, loc, writes)
-        self.graph = self._record_emulated(loc, writes, run_once, warmups) if self.emulate \
-            else self._record_cuda(loc, writes, run_once, warmups)
+        self.graph = self._record_emulated(loc, writes, mapping, run_once, warmups) if self.emulate \
+            else self._record_cuda(loc, writes, mapping, run_once, warmups)
 
     def replay(self) -> None:
         """The per-forward invalidation (point ``forward``), then the recording on the buffers' current contents."""
-        _require(self.graph is not None, "replay", "graph", "nothing was captured")
-        assert self.graph is not None
-        self.pool.check_loc("replay", self.graph.loc, "out_cache_loc")
+        graph = self.graph
+        if graph is None:
+            raise InvalidOperation("replay", "graph", "nothing was captured")
+        self.pool.check_loc("replay", graph.loc, "out_cache_loc")
         self._replay_invalidation()
-        self._follow_mapping(self.graph)
-        self.graph.replay()
+        self._follow_mapping(graph)
+        graph.replay()
 
     # ------------------------------------------------------------ internals
 
@@ -160,12 +157,12 @@ class GraphRunner:
             graph.mapping.copy_(live)
 
     def _check_static(self, op: str, loc: Tensor, static_k: Rows, static_v: Rows) -> list[LayerWrite]:
-        _require(set(static_k) == set(static_v), op, "static_v", f"layers {sorted(static_v)} != {sorted(static_k)}")
+        require(set(static_k) == set(static_v), op, "static_v", f"layers {sorted(static_v)} != {sorted(static_k)}")
         writes = []
         for layer_id in sorted(static_k):
             k, v = static_k[layer_id], static_v[layer_id]
-            _require(isinstance(k, Tensor) and isinstance(v, Tensor) and k.device == v.device == self.pool.device,
-                     op, "static_k", f"layer {layer_id}: static rows must be tensors on {self.pool.device}")
+            require(isinstance(k, Tensor) and isinstance(v, Tensor) and k.device == v.device == self.pool.device,
+                    op, "static_k", f"layer {layer_id}: static rows must be tensors on {self.pool.device}")
             index, is_swa, k, v = self.pool.check_rows(op, layer_id, loc, k, v)
             writes.append(LayerWrite(index, is_swa, k, v))
         return writes
@@ -176,19 +173,19 @@ class GraphRunner:
         for w in writes:
             self.pool.store(w.index, w.is_swa, loc, w.k, w.v)
 
-    def _record_emulated(self, loc: Tensor, writes: list[LayerWrite], run_once: Callable[[], None],
+    def _record_emulated(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                          warmups: int) -> CapturedGraph:
         for _ in range(warmups):
             run_once()
         with self.pool.recording(Recording(emulate=True)) as recording:
             run_once()
         recording.settle()
-        return CapturedGraph(loc, writes, self._mapping(), recording)
+        return CapturedGraph(loc, writes, mapping, recording)
 
-    def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], run_once: Callable[[], None],
+    def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                      warmups: int) -> CapturedGraph:
         device = self.pool.device
-        side = torch.cuda.Stream(device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch 2.13 leaves Stream.__new__ untyped
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-ups on a side stream, as torch asks before a capture
             for _ in range(warmups):
@@ -198,8 +195,4 @@ class GraphRunner:
         with torch.cuda.graph(graph), self.pool.recording(Recording(emulate=False)) as recording:
             run_once()
         recording.settle()
-        return CapturedGraph(loc, writes, self._mapping(), recording, graph)
-
-    def _mapping(self) -> Tensor:
-        assert self.pool.full_to_swa_index_mapping is not None, "no mapping registered"
-        return self.pool.full_to_swa_index_mapping
+        return CapturedGraph(loc, writes, mapping, recording, graph)

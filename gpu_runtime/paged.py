@@ -35,9 +35,9 @@ from typing import NamedTuple
 import torch
 
 from kvproof.gpu_runtime._geometry import Plan, count_new_pages, decode_plan, extend_plan, page_offsets, page_slots
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 
-__all__ = ["PagedTokenToKVPoolAllocator", "PagedBackup", "default_device", "resolve_device", "as_index"]
+__all__ = ["PagedBackup", "PagedTokenToKVPoolAllocator", "as_index", "default_device", "resolve_device"]
 
 Tensor = torch.Tensor
 _I64 = torch.int64
@@ -75,12 +75,20 @@ def as_index(x: Tensor | object, device: torch.device) -> Tensor:
     return torch.as_tensor(x, dtype=_I64, device=device).reshape(-1)
 
 
+def _check_geometry(size: int, page_size: int) -> None:
+    """A pool is a whole number of pages: ``page_size >= 1``, ``size >= 0`` a multiple of it (else ``ConfigError``)."""
+    model = "PagedTokenToKVPoolAllocator"
+    if page_size < 1:
+        raise ConfigError(model, "page_size", f"must be >= 1, got {page_size}")
+    if size < 0 or size % page_size:
+        raise ConfigError(model, "size", f"must be a non-negative multiple of page_size ({page_size}), got {size}")
+
+
 class PagedTokenToKVPoolAllocator:
     """Free-page list plus per-page live-slot counts for one pool (``name`` is ``full`` or ``swa``)."""
 
     def __init__(self, size: int, page_size: int, device: torch.device | str | None = None, name: str = "pool") -> None:
-        if page_size < 1 or size < 0 or size % page_size:
-            raise ValueError(f"size {size} must be a non-negative multiple of page_size {page_size} >= 1")
+        _check_geometry(size, page_size)
         self.size, self.page_size, self.name = size, page_size, name
         self.num_pages = size // page_size
         self.device = resolve_device(device)
@@ -130,8 +138,7 @@ class PagedTokenToKVPoolAllocator:
         the backup that never happens.
         """
         # a release since the backup may have written inside the backed-up window
-        if state.generation != self.generation:
-            raise InvalidOperation("restore_state", "state", "pages were released since backup_state")
+        require(state.generation == self.generation, "restore_state", "state", "pages were released since backup_state")
         self._buf, self._head, self._tail = state.buffer, state.head, state.tail
         self.fill.copy_(torch.where(self.fill > 0, state.fill, 0))  # in place: the tensor object stays
         self.generation += 1  # the pages given back may be overwritten: older backups are stale
@@ -240,13 +247,11 @@ class PagedTokenToKVPoolAllocator:
         """
         if slots.numel() == 0:
             return slots if not duplicates_ok else None
-        if not bool(self.live_mask(slots).all()):
-            raise InvalidOperation(op, argument, self._explain_dead(slots, freed_means))
+        require(bool(self.live_mask(slots).all()), op, argument, lambda: self._explain_dead(slots, freed_means))
         if duplicates_ok:
             return None
         distinct: Tensor = torch.unique(slots)
-        if distinct.numel() != slots.numel():
-            raise InvalidOperation(op, argument, "a slot appears twice")
+        require(distinct.numel() == slots.numel(), op, argument, lambda: _explain_repeat(slots))
         return distinct
 
     def _explain_dead(self, slots: Tensor, freed_means: str) -> str:
@@ -264,19 +269,24 @@ class PagedTokenToKVPoolAllocator:
     def check_invariants(self) -> None:
         """G1-G3 for this pool: free pages are distinct real pages, free iff fill == 0, fill <= P."""
         free, fill, n = self.free_pages, self.fill, self.num_pages
-        _ensure(bool(((free >= 1) & (free <= n)).all()), "G1", f"{self.name} free list has pages outside 1..{n}")
-        _ensure(torch.unique(free).numel() == free.numel(), "G1", f"{self.name} free list has a duplicate page")
-        _ensure(self.available_size() <= self.size, "G2",
-                f"{self.name} available {self.available_size()} > size {self.size}")
-        _ensure(int(fill[0]) == 0 and int(fill[-1]) == 0, "G1", f"{self.name} reserved page 0 has live slots")
-        _ensure(not bool(fill[free].any()), "G3", f"{self.name} pages both free and live")
+        ensure(bool(((free >= 1) & (free <= n)).all()), "G1", f"{self.name} free list has pages outside 1..{n}")
+        ensure(torch.unique(free).numel() == free.numel(), "G1", f"{self.name} free list has a duplicate page")
+        ensure(self.available_size() <= self.size, "G2",
+               f"{self.name} available {self.available_size()} > size {self.size}")
+        ensure(int(fill[0]) == 0 and int(fill[-1]) == 0, "G1", f"{self.name} reserved page 0 has live slots")
+        ensure(not bool(fill[free].any()), "G3", f"{self.name} pages both free and live")
         owned = torch.ones(n + 2, dtype=torch.bool, device=self.device)
         owned[0] = owned[-1] = False
         owned[free] = False
         ok = ((fill >= 1) & (fill <= self.page_size)) | ~owned
-        _ensure(bool(ok.all()), "G3", f"{self.name} pages neither free nor live (leak) or over-full")
+        ensure(bool(ok.all()), "G3", f"{self.name} pages neither free nor live (leak) or over-full")
 
 
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+def _explain_repeat(slots: Tensor) -> str:
+    """Message naming the first slot (in argument order) that repeats an earlier one (slow path, errors only)."""
+    seen: set[int] = set()
+    for f in slots.tolist():
+        if f in seen:
+            return f"slot {f} appears twice"
+        seen.add(f)
+    return "a slot appears twice"

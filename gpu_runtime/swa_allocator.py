@@ -48,20 +48,20 @@ from typing import ClassVar
 
 import torch
 
-from kvproof.reference.contract import Capability
-from kvproof.reference.registry import Component
 from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
-from kvproof.gpu_runtime._mapping import Owners, live_mapping_violation
-from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation, require
+from kvproof.gpu_runtime._mapping import Owners, check_live_mapping
+from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation
 from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.contract import Capability
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
+from kvproof.reference.registry import Component
 
-__all__ = ["SWATokenToKVPoolAllocator", "SWAAllocatorBackup"]
+__all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 
 Tensor = torch.Tensor
 P = InvalidationPoint
@@ -254,12 +254,17 @@ class SWATokenToKVPoolAllocator:
             return
         self._invalidate_at(P.SET_FULL_TO_SWA_MAPPING)  # upstream: after the empty / length checks
         self.full_attn_allocator.check_live(op, "full_indices", f, duplicates_ok=False)
-        # [Differs from the reference: a negative SWA slot breaks M1; the reference's check skips entries <= 0]
-        require(not bool((s < 0).any()), op, "swa_indices", "negative SWA slot (M1)")
+        p, top = self.page_size, self.swa_attn_allocator.end_slot
+        # M1: 0 (no SWA slot) or a real SWA slot
+        real = (s == 0) | ((s >= p) & (s < top))
+        require(bool(real.all()), op, "swa_indices",
+                lambda: f"{int(s[~real][0])} is neither 0 nor an SWA slot in [{p}, {top})")
         candidate = self.full_to_swa_index_mapping.clone()
         candidate.index_copy_(0, f, s)
-        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator, candidate, self._owners)
-        require(broken is None, op, "swa_indices", "the mapping would break [%s] %s" % (broken or ("", "")))
+        try:
+            check_live_mapping(self.full_attn_allocator, self.swa_attn_allocator, candidate, self._owners)
+        except InvariantViolation as err:
+            raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
         self._map(f, s)  # in place: the pool and any captured graph hold this tensor
         self._epoch += 1  # restore_state never restores M, so it cannot undo a remap: older backups are stale
 
@@ -317,8 +322,8 @@ class SWATokenToKVPoolAllocator:
     def restore_state(self, state: object) -> None:
         """Give back every page allocated since ``state``; M keeps its entries (R3, §8 item 1): no invalidation."""
         op, full, swa = "restore_state", self.full_attn_allocator, self.swa_attn_allocator
-        require(isinstance(state, SWAAllocatorBackup), op, "state", "not a backup_state() result")
-        assert isinstance(state, SWAAllocatorBackup)
+        if not isinstance(state, SWAAllocatorBackup):
+            raise InvalidOperation(op, "state", "not a backup_state() result")
         # only allocations may happen between backup_state and restore_state
         require(state.epoch == self._epoch, op, "state",
                 f"pages were released since backup_state (epoch {state.epoch} -> {self._epoch})")
@@ -358,10 +363,8 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.check_invariants()
         self.swa_attn_allocator.check_invariants()
         self._check_mapping_values()
-        broken = live_mapping_violation(self.full_attn_allocator, self.swa_attn_allocator,
-                                        self.full_to_swa_index_mapping, self._owners)
-        if broken is not None:
-            raise InvariantViolation(*broken)
+        check_live_mapping(self.full_attn_allocator, self.swa_attn_allocator, self.full_to_swa_index_mapping,
+                           self._owners)
 
     # ------------------------------------------------------------ internals (mutants override these)
 
@@ -459,13 +462,8 @@ class SWATokenToKVPoolAllocator:
     def _check_mapping_values(self) -> None:
         """M1: sentinel, reserved page unmapped, values 0 or real SWA slots."""
         m, p, top = self.full_to_swa_index_mapping, self.page_size, self.swa_attn_allocator.end_slot
-        _ensure(m.numel() == self.config.mapping_len and int(m[-1]) == -1, "M1", "mapping lost its -1 sentinel")
-        _ensure(not bool(m[:p].any()), "M1", f"reserved page 0 is mapped: {m[:p].tolist()}")
+        ensure(m.numel() == self.config.mapping_len and int(m[-1]) == -1, "M1", "mapping lost its -1 sentinel")
+        ensure(not bool(m[:p].any()), "M1", lambda: f"reserved page 0 is mapped: {m[:p].tolist()}")
         body = m[:-1]
-        _ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
-                f"entries outside {{0}} or [{p}, {top})")
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+        ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
+               f"entries outside {{0}} or [{p}, {top})")

@@ -53,10 +53,10 @@ import torch
 from kvproof.gpu_runtime._recording import Launch, Recording
 from kvproof.gpu_runtime.paged import as_index, resolve_device
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.loc_cache import KeyScheme
 
-__all__ = ["SWAKVPool", "SlotCheck", "KVCpuCopy"]
+__all__ = ["KVCpuCopy", "SWAKVPool", "SlotCheck"]
 
 Tensor = torch.Tensor
 #: ``get_cpu_copy``'s result: ``{"full": ..., "swa": ..., "swa_mask": ...}``.
@@ -67,11 +67,6 @@ class SlotCheck(Protocol):
     """Raises ``InvalidOperation(op, argument, ...)`` unless every full slot is live."""
 
     def __call__(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> object: ...
-
-
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 class SWAKVPool:
@@ -118,6 +113,13 @@ class SWAKVPool:
             # a translation cached from the old mapping tensor says nothing about the new one
             self.invalidate_loc_cache()
 
+    def require_mapping(self, op: str) -> Tensor:
+        """The registered mapping tensor; ``InvalidOperation(op, "full_to_swa_index_mapping")`` if none is yet."""
+        mapping = self.full_to_swa_index_mapping
+        if mapping is None:
+            raise InvalidOperation(op, "full_to_swa_index_mapping", "no mapping registered (call register_mapping)")
+        return mapping
+
     def register_slot_check(self, check: SlotCheck) -> None:
         """Validate full slots with the allocator's liveness check (it owns ``fill``)."""
         self._slot_check = check
@@ -125,15 +127,14 @@ class SWAKVPool:
     def _in_range(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool) -> None:
         # standalone pool (no allocator): only keep indexing in bounds
         rows = self.full_kv.shape[2]
-        _require(bool(((slots >= 0) & (slots < rows)).all()), op, argument, f"slots outside [0, {rows})")
+        require(bool(((slots >= 0) & (slots < rows)).all()), op, argument, f"slots outside [0, {rows})")
 
     # ------------------------------------------------------------ buffers
 
     def _layer(self, op: str, layer_id: int) -> tuple[int, bool]:
-        where = self.layers_mapping.get(layer_id) if isinstance(layer_id, int) else None
-        _require(where is not None, op, "layer_id", f"{layer_id} is outside [0, {len(self.layers_mapping)})")
-        assert where is not None
-        return where
+        require(isinstance(layer_id, int) and layer_id in self.layers_mapping, op, "layer_id",
+                f"{layer_id} is outside [0, {len(self.layers_mapping)})")
+        return self.layers_mapping[layer_id]
 
     def _pool(self, is_swa: bool) -> Tensor:
         return self.swa_kv if is_swa else self.full_kv
@@ -172,17 +173,15 @@ class SWAKVPool:
         invalidation points' business: a key says where ``kv_indices`` lives, not what
         it holds (C1).
         """
-        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
+        mapping = self.require_mapping("translate_loc_from_full_to_swa")
         key, cached = self.loc_cache_key(kv_indices), self._cached_swa_loc
         if cached is not None and key == self._cached_loc_key:
             return cached  # a hit launches nothing (under a capture: records nothing, S6)
-        value = self._gather(kv_indices)
+        value = self._gather(mapping, kv_indices)
         self._cached_loc_key, self._cached_swa_loc = key, value
         return value
 
-    def _gather(self, x: Tensor) -> Tensor:
-        mapping = self.full_to_swa_index_mapping
-        assert mapping is not None
+    def _gather(self, mapping: Tensor, x: Tensor) -> Tensor:
         if self._recording is None:
             return mapping[x]
         # a capture records the gather into the output tensor the cache will hold (C3)
@@ -226,12 +225,13 @@ class SWAKVPool:
         i, is_swa = self._layer(op, layer_id)
         k, v, n, width = torch.as_tensor(cache_k), torch.as_tensor(cache_v), loc.numel(), self.head_num * self.head_dim
         # one K and one V row per slot
-        _require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
-                 f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
+        require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
+                f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
         # each row holds head_num * head_dim values
-        _require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
-        if is_swa:
-            _require(self.full_to_swa_index_mapping is not None, op, "layer_id", "SWA layer but no mapping registered")
+        require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
+        # an SWA layer writes through the mapping
+        require(not is_swa or self.full_to_swa_index_mapping is not None, op, "layer_id",
+                "SWA layer but no mapping registered")
         return i, is_swa, k, v
 
     def check_loc(self, op: str, loc: Tensor, argument: str = "loc") -> None:
@@ -240,9 +240,8 @@ class SWAKVPool:
 
     def check_translatable(self, op: str, loc: Tensor) -> None:
         """Entries are -1 (no prefix) or full slot ids: what a gather through M may index."""
-        assert self.full_to_swa_index_mapping is not None, "no mapping registered"
-        n = self.full_to_swa_index_mapping.numel() - 1
-        _require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
+        n = self.require_mapping(op).numel() - 1
+        require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
 
     def store(self, index: int, is_swa: bool, loc: Tensor, k: Tensor, v: Tensor, *, cached: bool = True) -> None:
         """The unchecked write of one layer of a forward: one launch writes K and V.
@@ -254,8 +253,7 @@ class SWAKVPool:
         elif cached:
             dest = self.translate_loc_from_full_to_swa(loc)
         else:
-            assert self.full_to_swa_index_mapping is not None
-            dest = self.full_to_swa_index_mapping[loc]
+            dest = self.require_mapping("set_kv_buffer")[loc]
         self._launch(partial(_write_rows, self._pool(is_swa)[index], dest, k, v))
 
     # ------------------------------------------------------------ CPU copies (§2.8)
@@ -280,8 +278,8 @@ class SWAKVPool:
         full, swa, old_mask = self._unpack_copy(op, kv_cache_cpu)
         positions = old_mask.numel() if old_mask is not None else full.shape[2]
         # position alignment: the copy and the destination cover the same positions
-        _require(idx.numel() == positions, op, "indices",
-                 f"{idx.numel()} destination slots for a copy of {positions} positions")
+        require(idx.numel() == positions, op, "indices",
+                f"{idx.numel()} destination slots for a copy of {positions} positions")
         self._check_copy_shapes(op, full, swa, old_mask, positions)
         self._slot_check(op, "indices", idx, duplicates_ok=False)
         self.full_kv[:, :, idx] = full.to(self.device, self.dtype)
@@ -298,23 +296,22 @@ class SWAKVPool:
         return swa[:, :, row_mask], t[old_mask][row_mask]
 
     def _unpack_copy(self, op: str, kv: object) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        ok = isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)
-        _require(ok, op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
-        assert isinstance(kv, Mapping)
+        if not (isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)):
+            raise InvalidOperation(op, "kv_cache_cpu", "expected get_cpu_copy's {'full', 'swa', 'swa_mask'} dict")
         mask = kv.get("swa_mask")
         # the legacy (maskless) format cannot say which saved row is which position
-        _require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")
+        require(kv.get("swa") is None or mask is not None, op, "kv_cache_cpu", "SWA rows without swa_mask")
         return kv["full"], kv.get("swa"), None if mask is None else torch.as_tensor(mask, dtype=torch.bool)
 
     def _check_copy_shapes(self, op: str, full: Tensor, swa: Tensor | None, mask: Tensor | None, n: int) -> None:
         h, d = self.head_num, self.head_dim
-        _require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
-                 "copy has a different number of full layers")
-        _require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
+        require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
+                "copy has a different number of full layers")
+        require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
         if swa is not None and mask is not None:
             m = int(mask.sum())
-            _require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
-                     f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
+            require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
+                    f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
 
 
 def _write_rows(buf: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 __all__ = [
     "ceil_div",
     "ceil_p",
-    "floor_p",
-    "extend_parts",
-    "num_new_pages",
     "decode_opens_page",
+    "extend_parts",
+    "floor_p",
+    "num_new_pages",
     "swa_tail_len",
 ]
 

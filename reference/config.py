@@ -2,22 +2,99 @@
 
 A :class:`PoolConfig` describes one ``SWATokenToKVPoolAllocator`` + ``SWAKVPool``
 pair: the full and SWA pool sizes in tokens, the page size, the sliding window,
-and the geometry of the KV rows. Bad values are rejected at construction with a
-pydantic ``ValidationError`` (a ``ValueError``) whose message names the field.
+and the geometry of the KV rows.
+
+Every configuration model of the reference (these two, ``HostPoolConfig``,
+``DecodeConfig``) is a :class:`ConfigModel`: a bad value is rejected at construction
+(``Model(...)``, ``model_validate``, ``model_validate_json``) with a
+:class:`~kvproof.reference.errors.ConfigError` naming the model and the field, e.g.
+``PoolConfig.size_swa: must not exceed size_full (16), got 32`` -- a ``ValueError``,
+as pydantic's ``ValidationError`` it replaces.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
-__all__ = ["KVGeometry", "PoolConfig"]
+from kvproof.reference.errors import ConfigError
+
+__all__ = ["ConfigModel", "KVGeometry", "PoolConfig"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
-class KVGeometry(BaseModel):
+class ConfigModel(BaseModel):
+    """A configuration: every invalid construction raises :class:`ConfigError` naming the model and the field.
+
+    Field constraints (``gt=0`` ...) and type errors are translated from pydantic's
+    ``ValidationError``; model validators raise ``ConfigError`` themselves, and the
+    one they raise is what the caller gets (also from a nested configuration). A nested
+    configuration's field error names the outer model and the path (``PoolConfig.kv.head_num``).
+    """
+
+    def __init__(self, /, **data: Any) -> None:
+        with _config_errors(type(self)):
+            super().__init__(**data)
+
+    # Validation stays pydantic's own: without this flag pydantic would route every validation
+    # (model_validate_json, nested models) through this __init__, in Python mode, where a strict
+    # model rejects JSON arrays as tuples and strings as enums. pydantic's RootModel sets it too.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]  # pydantic's marker, not a typed attribute
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        with _config_errors(cls):
+            return super().model_validate(obj, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        with _config_errors(cls):
+            return super().model_validate_json(json_data, **kwargs)
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Self:
+        with _config_errors(cls):
+            return super().model_validate_strings(obj, **kwargs)
+
+
+@contextmanager
+def _config_errors(model: type[BaseModel]) -> Iterator[None]:
+    """Re-raise pydantic's ``ValidationError`` as one :class:`ConfigError` (first error named, others listed)."""
+    try:
+        yield
+    except ValidationError as err:
+        raise _config_error(model.__name__, err) from None
+
+
+def _config_error(model: str, err: ValidationError) -> ConfigError:
+    first, *rest = err.errors(include_url=False)
+    raised = first.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError) and not rest:
+        return raised  # a model validator's own error (of this model, or of a nested one built from a dict)
+    also = "; ".join(f"{_field(e) or model}: {_describe(e)}" for e in rest)
+    return ConfigError(model, _field(first), _describe(first) + (f" (also {also})" if also else ""))
+
+
+def _field(error: ErrorDetails) -> str:
+    return ".".join(str(part) for part in error["loc"])
+
+
+def _describe(error: ErrorDetails) -> str:
+    """What is wrong with one field: a validator's own message, or pydantic's with the value it got."""
+    raised = error.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError):
+        return str(raised)
+    if error["type"] == "missing":
+        return "required"
+    return f"{error['msg']}, got {error['input']!r}"
+
+
+class KVGeometry(ConfigModel):
     """Shape of the KV rows: per layer one K and one V row of ``head_num x head_dim``.
 
     Layer ids ``0..n-1`` are split between full-attention and sliding-window layers,
@@ -38,10 +115,9 @@ class KVGeometry(BaseModel):
         both = sorted(full + swa)
         # each layer id is exactly one kind, ids are 0..n-1
         if both != list(range(len(both))):
-            raise ValueError(
-                "full_attention_layer_ids and swa_attention_layer_ids must split 0..n-1 "
-                f"without overlap, got full={full} swa={swa}"
-            )
+            raise ConfigError("KVGeometry", "full_attention_layer_ids",
+                              "full_attention_layer_ids and swa_attention_layer_ids must split 0..n-1 "
+                              f"without overlap, got full={full} swa={swa}")
         return self
 
     @property
@@ -57,7 +133,7 @@ class KVGeometry(BaseModel):
         return layer_id in self.swa_attention_layer_ids
 
 
-class PoolConfig(BaseModel):
+class PoolConfig(ConfigModel):
     """One SWA composite pool: full pool, SWA pool, page size, window, KV geometry.
 
     Sizes are in tokens, as SGLang's ``size`` / ``size_swa``. Page 0 (slots
@@ -78,12 +154,13 @@ class PoolConfig(BaseModel):
         p = self.page_size
         # a pool is a whole number of pages (the paged allocator floors size / P)
         if self.size_full % p:
-            raise ValueError(f"size_full ({self.size_full}) must be a multiple of page_size ({p})")
+            raise ConfigError("PoolConfig", "size_full", f"must be a multiple of page_size ({p}), got {self.size_full}")
         if self.size_swa % p:
-            raise ValueError(f"size_swa ({self.size_swa}) must be a multiple of page_size ({p})")
+            raise ConfigError("PoolConfig", "size_swa", f"must be a multiple of page_size ({p}), got {self.size_swa}")
         # every SWA slot pairs with a full slot, so a larger SWA pool can never be used
         if self.size_swa > self.size_full:
-            raise ValueError(f"size_swa ({self.size_swa}) must not exceed size_full ({self.size_full})")
+            raise ConfigError("PoolConfig", "size_swa",
+                              f"must not exceed size_full ({self.size_full}), got {self.size_swa}")
         return self
 
     @property

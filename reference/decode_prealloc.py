@@ -41,50 +41,51 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.arith import ceil_p, floor_p
 from kvproof.reference.arith import swa_tail_len as _tail
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.config import ConfigModel
+from kvproof.reference.errors import OutOfMemory, ensure, require
 
 __all__ = [
-    "PreallocPolicy",
-    "DecodeConfig",
-    "DecodeRequest",
-    "RunningRequest",
-    "RetractedRequest",
-    "DecodeNode",
     "AllocatorCall",
-    "Crash",
     "Budgets",
+    "Crash",
+    "DecodeConfig",
+    "DecodeNode",
+    "DecodeRequest",
     "Gate",
+    "PreallocPolicy",
+    "RetractedRequest",
+    "RunningRequest",
     "StepResult",
-    "initial_node",
+    "admission_gate",
+    "allocatable_token_budgets",
     "arrive",
+    "check_node",
+    "decode",
     "fill_len",
-    "uses_tail",
-    "swa_tail_len",
-    "swa_retractable_len",
+    "initial_node",
+    "need_space_for_single_req",
+    "pop_preallocated",
     "prealloc_kv_lens",
     "prealloc_required_tokens",
-    "need_space_for_single_req",
-    "allocatable_token_budgets",
-    "admission_gate",
-    "pop_preallocated",
-    "decode",
-    "retract",
     "resume_retracted_reqs",
+    "retract",
+    "swa_retractable_len",
+    "swa_tail_len",
     "token_row",
-    "check_node",
+    "uses_tail",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-class PreallocPolicy(str, enum.Enum):
+class PreallocPolicy(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """How requirements are rounded and budgets refreshed between admissions."""
 
     UPSTREAM = "upstream"  # PR #24857: unrounded, SWA budget decremented (R4, S2)
     CORRECTED = "corrected"  # page-rounded requirements, budgets recomputed from the pools
 
 
-class DecodeConfig(BaseModel):
+class DecodeConfig(ConfigModel):
     """The decode node's knobs (§1.1): R, CLIP, the policy, and whether tail preallocation is on."""
 
     model_config = _FROZEN
@@ -133,15 +134,23 @@ class DecodeNode(BaseModel):
 
 
 class AllocatorCall(BaseModel):
-    """One allocator operation the node made, with its outcome (for replay on an implementation)."""
+    """One allocator operation the node made, with its outcome (for replay on an implementation).
+
+    ``error`` is the reference's own :class:`OutOfMemory` when the call failed (its op,
+    pool and page counts), ``None`` when it succeeded; ``result`` the slots it returned.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     op: str
     rid: int
     args: dict[str, Any]
-    outcome: str  # "ok" or the error class name
+    error: OutOfMemory | None = None
     result: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 class Crash(BaseModel):
@@ -189,11 +198,6 @@ class StepResult(BaseModel):
     stalled: bool = False  # decode: the pools could not take the batch (nothing changed; retract next)
 
 
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
 # ---------------------------------------------------------------- construction and arrivals
 
 
@@ -204,19 +208,19 @@ def initial_node(config: DecodeConfig | None = None) -> DecodeNode:
 def arrive(node: DecodeNode, rid: int, origin_input_len: int, output_len: int, max_new_tokens: int) -> DecodeNode:
     """A prefilled request joins the prealloc queue (validated: nothing changes on bad input)."""
     op = "arrive"
-    _require(origin_input_len >= 1, op, "origin_input_len", f"must be >= 1, got {origin_input_len}")
+    require(origin_input_len >= 1, op, "origin_input_len", f"must be >= 1, got {origin_input_len}")
     # PD: the prefill node produced the first token, so KV positions = prompt + outputs - 1
-    _require(output_len >= 1, op, "output_len", f"must be >= 1 (the prefill's first token), got {output_len}")
-    _require(max_new_tokens >= 1, op, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    require(output_len >= 1, op, "output_len", f"must be >= 1 (the prefill's first token), got {output_len}")
+    require(max_new_tokens >= 1, op, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     # a request that already produced all its tokens never reaches the decode node
-    _require(output_len < max_new_tokens, op, "output_len", f"{output_len} outputs leave nothing to decode "
-             f"under max_new_tokens {max_new_tokens}")
+    require(output_len < max_new_tokens, op, "output_len", f"{output_len} outputs leave nothing to decode "
+            f"under max_new_tokens {max_new_tokens}")
     known = {r.rid for r in (*node.queue, *node.running, *node.retracted)}
     # a request id is queued, preallocated or retracted at most once
-    _require(rid not in known, op, "rid", f"request {rid} is already on this node")
+    require(rid not in known, op, "rid", f"request {rid} is already on this node")
     req = DecodeRequest(rid=rid, origin_input_len=origin_input_len, output_len=output_len,
                         max_new_tokens=max_new_tokens)
-    return node.model_copy(update={"queue": node.queue + (req,)})
+    return node.model_copy(update={"queue": (*node.queue, req)})
 
 
 # ---------------------------------------------------------------- pure helpers (§2.3)
@@ -348,22 +352,31 @@ class _Calls:
     """Runs allocator operations on the reference state and records them (the node's effect log)."""
 
     def __init__(self, state: sa.SWAAllocatorState) -> None:
-        self.state, self.calls = state, []
+        self.state = state
+        self.calls: list[AllocatorCall] = []
 
-    def run(self, op: str, rid: int, args: dict[str, Any]) -> tuple[int, ...] | sa.KVCpuCopy | None:
-        fn = getattr(sa, op)
-        try:
-            out = fn(self.state, **args)
-        except OutOfMemory as err:
-            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome=type(err).__name__))
-            raise
-        if isinstance(out, sa.KVCpuCopy):
-            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome="ok"))
-            return out
+    def run(self, op: str, rid: int, args: dict[str, Any]) -> tuple[int, ...]:
+        """``sa.<op>(state, **args)``, a transition: the new state is kept, the slots it handed out returned."""
+        out = self._call(op, rid, args)
         state, result = out if isinstance(out, tuple) else (out, ())
         self.state = state
-        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, outcome="ok", result=tuple(result or ())))
-        return tuple(result or ())
+        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, result=tuple(result)))
+        return tuple(result)
+
+    def get_cpu_copy(self, rid: int, indices: list[int]) -> sa.KVCpuCopy:
+        """``sa.get_cpu_copy``, a query: the state stays, the copy is returned."""
+        args: dict[str, Any] = {"indices": indices}
+        copy: sa.KVCpuCopy = self._call("get_cpu_copy", rid, args)
+        self.calls.append(AllocatorCall(op="get_cpu_copy", rid=rid, args=args))
+        return copy
+
+    def _call(self, op: str, rid: int, args: dict[str, Any]) -> Any:
+        """Run ``sa.<op>``; a failure is recorded with the reference's own error, then raised."""
+        try:
+            return getattr(sa, op)(self.state, **args)
+        except OutOfMemory as err:
+            self.calls.append(AllocatorCall(op=op, rid=rid, args=args, error=err))
+            raise
 
     def write(self, rid: int, slots: Sequence[int], positions: Sequence[int], node: DecodeNode) -> None:
         """The KV rows of ``positions`` of request ``rid``, every layer (full at slots, SWA through M)."""
@@ -380,13 +393,13 @@ def _pre_alloc(node: DecodeNode, calls: _Calls, req: DecodeRequest) -> tuple[int
     """``_pre_alloc`` (§2.6): the whole fill in the full pool; its tail (tail mode) or all of it in the SWA pool."""
     a, state = fill_len(req), calls.state
     if state.config.page_size == 1:
-        return calls.run("alloc", req.rid, {"need_size": a, "owner": req.rid})  # type: ignore[return-value]
+        return calls.run("alloc", req.rid, {"need_size": a, "owner": req.rid})
     args: dict[str, Any] = {"prefix_lens": [0], "seq_lens": [a], "last_loc": [-1], "extend_num_tokens": a,
                             "owners": [req.rid]}
     if uses_tail(node, state):
         args["swa_tail_len"] = swa_tail_len(node, state, a)
-        return calls.run("alloc_extend_swa_tail", req.rid, args)  # type: ignore[return-value]
-    return calls.run("alloc_extend", req.rid, args)  # type: ignore[return-value]
+        return calls.run("alloc_extend_swa_tail", req.rid, args)
+    return calls.run("alloc_extend", req.rid, args)
 
 
 def _start(node: DecodeNode, calls: _Calls, req: DecodeRequest, slots: tuple[int, ...]) -> RunningRequest:
@@ -408,7 +421,7 @@ def pop_preallocated(node: DecodeNode, allocator: sa.SWAAllocatorState) -> StepR
     """
     calls, start = _Calls(allocator), node
     budgets = allocatable_token_budgets(node, allocator, count_retracted=True)
-    running, admitted = list(node.running), []
+    running, admitted = list(node.running), list[int]()
     for req in node.queue:
         gate = admission_gate(start, allocator, budgets, req)
         if not gate.admit:
@@ -451,8 +464,8 @@ def decode(node: DecodeNode, allocator: sa.SWAAllocatorState) -> StepResult:
     except OutOfMemory:
         return StepResult(node=node, allocator=allocator, calls=tuple(calls.calls), stalled=True)
     running, finished = [], []
-    for req, slot in zip(node.running, new, strict=True):  # type: ignore[arg-type]
-        req = req.model_copy(update={"slots": req.slots + (slot,), "output_len": req.output_len + 1})
+    for req, slot in zip(node.running, new, strict=True):
+        req = req.model_copy(update={"slots": (*req.slots, slot), "output_len": req.output_len + 1})
         calls.write(req.rid, [slot], [len(req.slots) - 1], node)
         req = _evict_swa(node, calls, req)
         if req.output_len >= req.max_new_tokens:
@@ -478,15 +491,15 @@ def retract(node: DecodeNode, allocator: sa.SWAAllocatorState, rid: int) -> Step
     """Copy a running request's KV to the CPU, free its slots, queue it for resumption (§1.6)."""
     op = "retract"
     found = [r for r in node.running if r.rid == rid]
-    _require(bool(found), op, "rid", f"request {rid} is not running")
+    require(bool(found), op, "rid", f"request {rid} is not running")
     (req,) = found
     calls = _Calls(allocator)
-    copy = calls.run("get_cpu_copy", rid, {"indices": list(req.slots)})
+    copy = calls.get_cpu_copy(rid, list(req.slots))
     calls.run("free", rid, {"free_index": list(req.slots)})
     fields = req.model_dump(exclude={"slots", "swa_evicted_seqlen"})
-    back = RetractedRequest(**fields, kv=copy, length=len(req.slots))  # type: ignore[arg-type]
+    back = RetractedRequest(**fields, kv=copy, length=len(req.slots))
     new = node.model_copy(update={"running": tuple(r for r in node.running if r.rid != rid),
-                                  "retracted": node.retracted + (back,)})
+                                  "retracted": (*node.retracted, back)})
     return StepResult(node=new, allocator=calls.state, calls=tuple(calls.calls), rids=(rid,))
 
 
@@ -498,7 +511,7 @@ def resume_retracted_reqs(node: DecodeNode, allocator: sa.SWAAllocatorState) -> 
     """
     calls, start = _Calls(allocator), node
     budgets = allocatable_token_budgets(node, allocator, count_retracted=False)
-    running, resumed = list(node.running), []
+    running, resumed = list(node.running), list[int]()
     for req in node.retracted:
         full_req, swa_req = prealloc_required_tokens(start, allocator, req)
         if full_req > budgets.full or (budgets.swa is not None and swa_req > budgets.swa):
@@ -538,22 +551,17 @@ def check_node(node: DecodeNode, allocator: sa.SWAAllocatorState) -> None:
     mapping = allocator.full_to_swa_index_mapping
     owners = {r.rid for r in node.running}
     for name, pool in (("full", allocator.full), ("swa", allocator.swa)):
-        strays = sorted({pool.owner[g] for g in range(1, pool.num_pages + 1)} - owners - {None})
+        strays = sorted({who for who in pool.owner[1:] if who is not None} - owners)
         # an allocated page belongs to a running request (retracted and finished ones hold nothing)
-        _ensure(not strays, "G3", f"{name} pages held by requests that are not running: {strays}")
+        ensure(not strays, "G3", f"{name} pages held by requests that are not running: {strays}")
     for req in node.running:
         pages = {f // p for f in req.slots}
         # every KV position of a running request sits in one of its own full pages
-        _ensure(all(allocator.full.owner[g] == req.rid for g in pages), "G3", f"request {req.rid} lost a page")
+        ensure(all(allocator.full.owner[g] == req.rid for g in pages), "G3", f"request {req.rid} lost a page")
         if not uses_tail(node, allocator):
             continue
         low = floor_p(max(0, len(req.slots) - 1 - w - p), p)
         resident = [j for j, f in enumerate(req.slots) if mapping[f] > 0]
         # D3: SWA residency stays within the window tail
-        _ensure(all(j >= low for j in resident), "D3",
-                f"request {req.rid} (L={len(req.slots)}) keeps SWA slots for positions {resident[:4]}... below {low}")
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+        ensure(all(j >= low for j in resident), "D3",
+               f"request {req.rid} (L={len(req.slots)}) keeps SWA slots for positions {resident[:4]}... below {low}")

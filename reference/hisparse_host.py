@@ -43,44 +43,45 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvproof.reference.arith import ceil_p
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.config import ConfigModel
+from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 
 __all__ = [
     "Coordinator",
     "HostPoolConfig",
-    "HostPoolState",
     "HostPoolSnapshot",
-    "row_width",
-    "allocated_len_after",
-    "host_new_pages",
-    "host_slot",
-    "initial_state",
-    "available_size",
+    "HostPoolState",
+    "admit_request_into_staging",
     "alloc",
     "alloc_page",
     "alloc_paged_token_slots",
     "allocated_host_indices",
-    "request_finished",
-    "admit_request_into_staging",
-    "eager_backup_previous_token",
-    "set_host_data",
-    "get_host_data",
-    "snapshot",
+    "allocated_len_after",
+    "available_size",
     "check_host_pool",
     "check_host_snapshot",
+    "eager_backup_previous_token",
+    "get_host_data",
+    "host_new_pages",
+    "host_slot",
+    "initial_state",
+    "request_finished",
+    "row_width",
+    "set_host_data",
+    "snapshot",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-class Coordinator(str, enum.Enum):
+class Coordinator(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """Which coordinator calls the host pool (§4.5, §4.7)."""
 
     PAGED = "paged"  # PR #23606: whole host pages per request, alloc_paged_token_slots
     PRE_23606 = "pre_23606"  # token-granular alloc(n) for staging and alloc(#reqs) for a backup batch
 
 
-class HostPoolConfig(BaseModel):
+class HostPoolConfig(ConfigModel):
     """Host pool geometry and the request table's shape."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -97,12 +98,13 @@ class HostPoolConfig(BaseModel):
     def _transfer_pages(self) -> HostPoolConfig:
         # the host page size divides the transfer page size or equals it (1 | 64 before, 64 == 64 after)
         if self.transfer_page_size % self.page_size:
-            raise ValueError(f"device_page_size {self.transfer_page_size} is not a multiple of "
-                             f"page_size {self.page_size}")
+            raise ConfigError("HostPoolConfig", "device_page_size",
+                              f"must be a multiple of page_size ({self.page_size}), got {self.transfer_page_size}")
         # #23606 makes the host page size the device page size
         if self.coordinator is Coordinator.PAGED and self.transfer_page_size != self.page_size:
-            raise ValueError(f"coordinator 'paged' uses the device page size as host page size: device_page_size "
-                             f"{self.transfer_page_size} != page_size {self.page_size}")
+            raise ConfigError("HostPoolConfig", "device_page_size",
+                              f"coordinator 'paged' uses the device page size as host page size: device_page_size "
+                              f"{self.transfer_page_size} != page_size {self.page_size}")
         return self
 
     @property
@@ -120,7 +122,7 @@ class HostPoolConfig(BaseModel):
     @classmethod
     def from_requested_size(cls, size: int, page_size: int, **fields: object) -> HostPoolConfig:
         """``HostKVCache``'s sizing: ``page_num = size // P_h + 1`` (§4.2)."""
-        return cls(page_size=page_size, num_pages=size // page_size + 1, **fields)  # type: ignore[arg-type]
+        return cls.model_validate({"page_size": page_size, "num_pages": size // page_size + 1, **fields})
 
     def label(self) -> str:
         dev = f"-D{self.device_page_size}" if self.device_page_size not in (None, self.page_size) else ""
@@ -220,9 +222,9 @@ def snapshot(state: HostPoolState) -> HostPoolSnapshot:
 def alloc(state: HostPoolState, need_size: int, *, req: int | None = None) -> tuple[HostPoolState, tuple[int, ...]]:
     """``HostKVCache.alloc(n)``: the first ``n`` free slots; ``n`` must be whole pages (the page rule)."""
     op, p = "alloc", state.config.page_size
-    _require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
+    require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
     # the page rule: the host pool hands out whole pages only
-    _require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p} (page rule)")
+    require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p} (page rule)")
     if need_size > len(state.free_slots):
         raise OutOfMemory(op, "host", need_size // p, len(state.free_slots) // p, request=req)
     taken = state.free_slots[:need_size]
@@ -234,7 +236,7 @@ def alloc(state: HostPoolState, need_size: int, *, req: int | None = None) -> tu
 
 def alloc_page(state: HostPoolState, k: int, *, req: int | None = None) -> tuple[HostPoolState, tuple[int, ...]]:
     """``alloc_page(k) = alloc(k * P_h)``."""
-    _require(k >= 0, "alloc_page", "k", f"must be >= 0, got {k}")
+    require(k >= 0, "alloc_page", "k", f"must be >= 0, got {k}")
     return alloc(state, k * state.config.page_size, req=req)
 
 
@@ -249,14 +251,14 @@ def alloc_paged_token_slots(state: HostPoolState, req: int, start_pos: int, num_
     _check_req(state, op, req)
     if num_tokens <= 0:  # upstream returns an empty tensor before any other check
         return state, ()
-    _require(start_pos >= 0, op, "start_pos", f"must be >= 0, got {start_pos}")
+    require(start_pos >= 0, op, "start_pos", f"must be >= 0, got {start_pos}")
     a = len(state.rows[req])
     # no holes: a request's host row is filled left to right (upstream asserts start_pos <= allocated)
-    _require(start_pos <= a, op, "start_pos", f"{start_pos} > allocated length {a} of request {req} (hole)")
+    require(start_pos <= a, op, "start_pos", f"{start_pos} > allocated length {a} of request {req} (hole)")
     end = start_pos + num_tokens
     # the rounded end must fit the row (exact precondition: end <= floor_P(row width))
-    _require(ceil_p(end, p) <= state.config.row_width, op, "num_tokens",
-             f"end {end} rounds up to {ceil_p(end, p)} > row width {state.config.row_width}")
+    require(ceil_p(end, p) <= state.config.row_width, op, "num_tokens",
+            f"end {end} rounds up to {ceil_p(end, p)} > row width {state.config.row_width}")
     k = host_new_pages(a, start_pos, num_tokens, p)
     if k:
         state, new = alloc_page(state, k, req=req)
@@ -279,7 +281,7 @@ def request_finished(state: HostPoolState, req: int) -> HostPoolState:
 def set_host_data(state: HostPoolState, slots: Sequence[int], values: Sequence[int]) -> HostPoolState:
     """The device-to-host copy: ``values[i]`` lands in host slot ``slots[i]`` (an allocated one)."""
     op = "set_host_data"
-    _require(len(slots) == len(values), op, "values", f"{len(values)} values for {len(slots)} slots")
+    require(len(slots) == len(values), op, "values", f"{len(values)} values for {len(slots)} slots")
     _check_slots(state, op, slots)
     data = list(state.data)
     for s, v in zip(slots, values, strict=True):
@@ -300,11 +302,11 @@ def admit_request_into_staging(state: HostPoolState, req: int, values: Sequence[
     """
     op, n = "admit_request_into_staging", len(values)
     _check_req(state, op, req)
-    _require(n >= 1, op, "values", "a prefill has at least one token")
+    require(n >= 1, op, "values", "a prefill has at least one token")
     # H3: staging starts from an empty row
-    _require(not state.rows[req], op, "req", f"request slot {req} still holds {len(state.rows[req])} host slots")
-    _require(n <= state.config.max_context_len, op, "values",
-             f"{n} tokens > max_context_len {state.config.max_context_len}")
+    require(not state.rows[req], op, "req", f"request slot {req} still holds {len(state.rows[req])} host slots")
+    require(n <= state.config.max_context_len, op, "values",
+            f"{n} tokens > max_context_len {state.config.max_context_len}")
     if state.config.coordinator is Coordinator.PAGED:
         state, slots = alloc_paged_token_slots(state, req, 0, n)
     else:
@@ -328,14 +330,14 @@ def eager_backup_previous_token(state: HostPoolState, reqs: Sequence[int], seq_l
     Returns the host slots written, in batch order (skipped entries excluded).
     """
     op = "eager_backup_previous_token"
-    _require(len(reqs) == len(seq_lens) == len(values), op, "seq_lens",
-             f"{len(reqs)} requests, {len(seq_lens)} seq_lens, {len(values)} values")
-    _require(len(set(reqs)) == len(reqs), op, "reqs", f"duplicate request slots in {list(reqs)}")
+    require(len(reqs) == len(seq_lens) == len(values), op, "seq_lens",
+            f"{len(reqs)} requests, {len(seq_lens)} seq_lens, {len(values)} values")
+    require(len(set(reqs)) == len(reqs), op, "reqs", f"duplicate request slots in {list(reqs)}")
     for r, s in zip(reqs, seq_lens, strict=True):
         _check_req(state, op, r)
         # the request is staged and its previous token exists
-        _require(bool(state.rows[r]) and s >= 2, op, "seq_lens", f"request slot {r} with seq_len {s} has no "
-                 f"previous token to back up (allocated length {len(state.rows[r])})")
+        require(bool(state.rows[r]) and s >= 2, op, "seq_lens", f"request slot {r} with seq_len {s} has no "
+                f"previous token to back up (allocated length {len(state.rows[r])})")
     skip = list(state.skip_first_backup)
     kept = [(r, s - 2, v) for r, s, v in zip(reqs, seq_lens, values, strict=True) if not skip[r]]
     for r in reqs:
@@ -352,16 +354,16 @@ def _backup_paged(state: HostPoolState, op: str, kept: list[tuple[int, int, int]
     p = state.config.page_size
     for r, pos, _ in kept:
         # H4: the backed-up position is at most the allocated length (no hole)
-        _require(pos <= len(state.rows[r]), op, "seq_lens",
-                 f"position {pos} of request slot {r} > allocated length {len(state.rows[r])} (hole)")
-        _require(ceil_p(pos + 1, p) <= state.config.row_width, op, "seq_lens",
-                 f"position {pos} of request slot {r} rounds past row width {state.config.row_width}")
+        require(pos <= len(state.rows[r]), op, "seq_lens",
+                f"position {pos} of request slot {r} > allocated length {len(state.rows[r])} (hole)")
+        require(ceil_p(pos + 1, p) <= state.config.row_width, op, "seq_lens",
+                f"position {pos} of request slot {r} rounds past row width {state.config.row_width}")
     wanted = [(r, host_new_pages(len(state.rows[r]), pos, 1, p)) for r, pos, _ in kept]
     total = sum(k for _, k in wanted)
     if total * p > len(state.free_slots):
         short = next(r for r, k in wanted if k)
         raise OutOfMemory(op, "host", total, len(state.free_slots) // p, request=short)
-    written = []
+    written: list[int] = []
     for r, pos, v in kept:
         state, slots = alloc_paged_token_slots(state, r, pos, 1)
         state = set_host_data(state, slots, [v])
@@ -375,8 +377,8 @@ def _backup_token_granular(state: HostPoolState, kept: list[tuple[int, int, int]
     op = "eager_backup_previous_token"
     for r, pos, _ in kept:
         # the scatter writes table[r, pos]: positions already in the row are overwritten, later ones leave holes
-        _require(pos <= len(state.rows[r]), op, "seq_lens",
-                 f"position {pos} of request slot {r} > row length {len(state.rows[r])} (hole)")
+        require(pos <= len(state.rows[r]), op, "seq_lens",
+                f"position {pos} of request slot {r} > row length {len(state.rows[r])} (hole)")
     fresh = [(r, pos, v) for r, pos, v in kept if pos == len(state.rows[r])]
     state, slots = alloc(state, len(fresh), req=fresh[0][0] if fresh else None)
     at, written = 0, []
@@ -410,58 +412,48 @@ def check_host_snapshot(snap: HostPoolSnapshot, transfer_page_size: int | None =
     p, free = snap.page_size, snap.free_slots
     runs_ok = len(free) % p == 0 and all(free[i] % p == 0 and free[i:i + p] == tuple(range(free[i], free[i] + p))
                                          for i in range(0, len(free), p))
-    _ensure(runs_ok, "H0", f"free list is not a concatenation of aligned {p}-slot pages: {_head(free)}")
+    ensure(runs_ok, "H0", f"free list is not a concatenation of aligned {p}-slot pages: {_head(free)}")
     owned: list[int] = []
     for r, (n, row) in enumerate(zip(snap.allocated_len, snap.rows, strict=True)):
         valid = row[:n]
-        _ensure(n % p == 0, "H1", f"request slot {r}: allocated length {n} is not a multiple of page size {p}")
-        _ensure(all(s >= 0 for s in valid) and all(s == -1 for s in row[n:]), "H1",
-                f"request slot {r}: row is not valid exactly on [0, {n}): {_head(row)}")
+        ensure(n % p == 0, "H1", f"request slot {r}: allocated length {n} is not a multiple of page size {p}")
+        ensure(all(s >= 0 for s in valid) and all(s == -1 for s in row[n:]), "H1",
+               f"request slot {r}: row is not valid exactly on [0, {n}): {_head(row)}")
         for q in {p, transfer_page_size or p}:
             for b in range(0, n - n % q, q):
                 block = valid[b:b + q]
-                _ensure(block[0] % q == 0 and block == tuple(range(block[0], block[0] + q)), "H1",
-                        f"request slot {r}: positions [{b}, {b + q}) are not one aligned {q}-slot page: "
-                        f"{_head(block)}")
+                ensure(block[0] % q == 0 and block == tuple(range(block[0], block[0] + q)), "H1",
+                       f"request slot {r}: positions [{b}, {b + q}) are not one aligned {q}-slot page: "
+                       f"{_head(block)}")
         owned += valid
     everything = sorted(owned + list(free))
     dup = sorted({s for s in owned if owned.count(s) > 1} | (set(owned) & set(free)))
-    _ensure(not dup, "H2", f"host slots owned twice or owned and free: {dup[:8]}")
-    _ensure(everything == list(range(snap.size)), "H2",
-            f"free + owned = {len(everything)} slots, pool has {snap.size} (leak or foreign slot)")
+    ensure(not dup, "H2", f"host slots owned twice or owned and free: {dup[:8]}")
+    ensure(everything == list(range(snap.size)), "H2",
+           f"free + owned = {len(everything)} slots, pool has {snap.size} (leak or foreign slot)")
 
 
 def check_host_pool(state: HostPoolState) -> None:
     """H0-H3 on the reference state (H3: an empty row has no skip flag)."""
     check_host_snapshot(snapshot(state), state.config.transfer_page_size)
     for r, row in enumerate(state.rows):
-        _ensure(bool(row) or not state.skip_first_backup[r], "H3", f"request slot {r} is empty but flagged")
+        ensure(bool(row) or not state.skip_first_backup[r], "H3", f"request slot {r} is empty but flagged")
 
 
 # ---------------------------------------------------------------- preconditions
 
 
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
-
-
 def _check_req(state: HostPoolState, op: str, req: int) -> None:
     # request slots index req_to_host_pool's rows
-    _require(0 <= req < state.config.max_req_slots, op, "req",
-             f"request slot {req} out of range [0, {state.config.max_req_slots})")
+    require(0 <= req < state.config.max_req_slots, op, "req",
+            f"request slot {req} out of range [0, {state.config.max_req_slots})")
 
 
 def _check_slots(state: HostPoolState, op: str, slots: Sequence[int]) -> None:
     owned = {s for row in state.rows for s in row}
     bad = [s for s in slots if s not in owned]
     # data moves only into host slots some request owns
-    _require(not bad, op, "slots", f"host slots {bad[:8]} are not allocated to any request")
+    require(not bad, op, "slots", f"host slots {bad[:8]} are not allocated to any request")
 
 
 def _head(values: Sequence[int], n: int = 12) -> str:

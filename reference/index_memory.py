@@ -15,20 +15,20 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import require
 
 __all__ = [
     "ELEMENT_BYTES",
-    "Storage",
-    "IndexView",
     "IndexMemory",
-    "new_storage",
-    "free_storage",
-    "write_index",
-    "make_view",
-    "view_contents",
+    "IndexView",
+    "Storage",
     "data_ptr",
+    "free_storage",
+    "make_view",
+    "new_storage",
     "storage_ptr",
+    "view_contents",
+    "write_index",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -65,15 +65,10 @@ class IndexMemory(BaseModel):
     storages: tuple[Storage, ...] = ()
 
 
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
 def _live(memory: IndexMemory, op: str, sid: int) -> Storage:
-    _require(0 <= sid < len(memory.storages), op, "storage", f"no storage {sid}")
+    require(0 <= sid < len(memory.storages), op, "storage", f"no storage {sid}")
     storage = memory.storages[sid]
-    _require(storage.alive, op, "storage", f"storage {sid} was freed")
+    require(storage.alive, op, "storage", f"storage {sid} was freed")
     return storage
 
 
@@ -86,14 +81,14 @@ def _replace(memory: IndexMemory, sid: int, storage: Storage) -> IndexMemory:
 def new_storage(memory: IndexMemory, base: int, contents: Sequence[int]) -> tuple[IndexMemory, int]:
     """Allocate ``contents`` at ``base``; a freed storage's address may be reused, a live one's not."""
     op, n = "new_storage", len(contents)
-    _require(n >= 1, op, "contents", "a storage holds at least one element")
-    _require(base >= 0 and base % ELEMENT_BYTES == 0, op, "base", f"{base} is not an aligned address")
+    require(n >= 1, op, "contents", "a storage holds at least one element")
+    require(base >= 0 and base % ELEMENT_BYTES == 0, op, "base", f"{base} is not an aligned address")
     end = base + n * ELEMENT_BYTES
     for sid, s in enumerate(memory.storages):
         clash = s.alive and base < s.base + len(s.contents) * ELEMENT_BYTES and s.base < end
         # two live storages never overlap (an allocator may reuse only freed addresses)
-        _require(not clash, op, "base", f"[{base}, {end}) overlaps live storage {sid} at {s.base}")
-    storages = memory.storages + (Storage(base=base, contents=tuple(int(x) for x in contents)),)
+        require(not clash, op, "base", f"[{base}, {end}) overlaps live storage {sid} at {s.base}")
+    storages = (*memory.storages, Storage(base=base, contents=tuple(int(x) for x in contents)))
     return IndexMemory(storages=storages), len(storages) - 1
 
 
@@ -107,8 +102,8 @@ def write_index(memory: IndexMemory, storage: int, offset: int, values: Sequence
     """Rewrite elements in place (a scheduler buffer reused for the next batch)."""
     op = "write_index"
     s = _live(memory, op, storage)
-    _require(0 <= offset and offset + len(values) <= len(s.contents), op, "offset",
-             f"[{offset}, {offset + len(values)}) is outside storage {storage} of {len(s.contents)} elements")
+    require(offset >= 0 and offset + len(values) <= len(s.contents), op, "offset",
+            f"[{offset}, {offset + len(values)}) is outside storage {storage} of {len(s.contents)} elements")
     contents = s.contents[:offset] + tuple(int(v) for v in values) + s.contents[offset + len(values):]
     return _replace(memory, storage, s.model_copy(update={"contents": contents}))
 
@@ -117,8 +112,8 @@ def make_view(memory: IndexMemory, storage: int, offset: int, numel: int) -> Ind
     """``storage[offset:offset + numel]`` as a view (same storage, its own address)."""
     op = "make_view"
     s = _live(memory, op, storage)
-    _require(numel >= 1 and 0 <= offset and offset + numel <= len(s.contents), op, "numel",
-             f"view [{offset}, {offset + numel}) does not fit storage {storage} of {len(s.contents)} elements")
+    require(numel >= 1 and offset >= 0 and offset + numel <= len(s.contents), op, "numel",
+            f"view [{offset}, {offset + numel}) does not fit storage {storage} of {len(s.contents)} elements")
     return IndexView(storage=storage, offset=offset, numel=numel)
 
 

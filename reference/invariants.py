@@ -15,32 +15,28 @@ compares every transition against an implementation.
 
 from __future__ import annotations
 
-from kvproof.reference.errors import InvariantViolation
+from kvproof.reference.errors import ensure
 from kvproof.reference.paged import PagedPool
 from kvproof.reference.swa_allocator import SWAAllocatorState, check_live_mapping
 
 __all__ = ["check_invariants", "check_pool"]
 
 
-def _ensure(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
-
-
 def check_pool(pool: PagedPool, name: str) -> None:
     """G1-G3 for one pool: free pages are real, unique pages; free iff unowned."""
     free = pool.free_pages
     # G1: free pages are 1..num_pages, page 0 never, no duplicates
-    _ensure(all(1 <= g <= pool.num_pages for g in free), "G1", f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
-    _ensure(len(set(free)) == len(free), "G1", f"{name} free list has a duplicate page: {free}")
+    ensure(all(1 <= g <= pool.num_pages for g in free), "G1",
+           f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
+    ensure(len(set(free)) == len(free), "G1", f"{name} free list has a duplicate page: {free}")
     # G2: available never exceeds the pool (the only runtime over-free check upstream)
-    _ensure(pool.available_size <= pool.size, "G2", f"{name} available {pool.available_size} > size {pool.size}")
+    ensure(pool.available_size <= pool.size, "G2", f"{name} available {pool.available_size} > size {pool.size}")
     # G3: owners and free pages partition 1..num_pages
     owned = {g for g in range(1, pool.num_pages + 1) if pool.owner[g] is not None}
-    _ensure(owned.isdisjoint(free), "G3", f"{name} pages both free and owned: {sorted(owned & set(free))}")
-    _ensure(len(owned) + len(free) == pool.num_pages, "G3",
-            f"{name} leaks pages: {sorted(set(range(1, pool.num_pages + 1)) - owned - set(free))}")
-    _ensure(pool.owner[0] is None, "G1", f"{name} reserved page 0 has an owner")
+    ensure(owned.isdisjoint(free), "G3", f"{name} pages both free and owned: {sorted(owned & set(free))}")
+    ensure(len(owned) + len(free) == pool.num_pages, "G3",
+           f"{name} leaks pages: {sorted(set(range(1, pool.num_pages + 1)) - owned - set(free))}")
+    ensure(pool.owner[0] is None, "G1", f"{name} reserved page 0 has an owner")
 
 
 def check_invariants(state: SWAAllocatorState) -> None:
@@ -51,11 +47,12 @@ def check_invariants(state: SWAAllocatorState) -> None:
     for g in range(1, cfg.num_pages_full + 1):
         allocated = state.full.is_allocated(g)
         # ghost fill: a free page has no live slot, an allocated one 1..P
-        _ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3", f"page {g} has fill {state.fill[g]}")
+        ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3",
+               f"page {g} has fill {state.fill[g]}")
     # M1: sentinel, reserved page unmapped, values are 0 or real SWA slots
-    _ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")
-    _ensure(all(m == 0 for m in mapping[:p]), "M1", f"reserved page 0 is mapped: {mapping[:p]}")
+    ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")
+    ensure(all(m == 0 for m in mapping[:p]), "M1", f"reserved page 0 is mapped: {mapping[:p]}")
     top = (cfg.num_pages_swa + 1) * p
     bad = [(f, m) for f, m in enumerate(mapping[:-1]) if m != 0 and not p <= m < top]
-    _ensure(not bad, "M1", f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
+    ensure(not bad, "M1", f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
     check_live_mapping(state)

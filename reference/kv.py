@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvproof.reference.config import PoolConfig
 
-__all__ = ["Row", "KVStore", "empty_store", "write_rows", "forget_rows", "read_rows"]
+__all__ = ["KVStore", "Row", "empty_store", "forget_rows", "read_rows", "write_rows"]
 
 Row = tuple[float, ...]
 

@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import InvalidOperation, require
 from kvproof.reference.index_memory import (
     ELEMENT_BYTES,
     IndexMemory,
@@ -74,43 +74,43 @@ from kvproof.reference.paged import Owner
 
 __all__ = [
     "ELEMENT_BYTES",
-    "KeyScheme",
-    "InvalidationPoint",
     "UPSTREAM_POINTS",
-    "LocCachePolicy",
-    "Storage",
-    "IndexView",
-    "IndexMemory",
-    "LocCache",
     "CapturedGraph",
-    "StaleRead",
+    "IndexMemory",
+    "IndexView",
+    "InvalidationPoint",
+    "KeyScheme",
+    "LocCache",
+    "LocCachePolicy",
     "LocCacheSystem",
-    "initial_system",
-    "new_storage",
-    "free_storage",
-    "write_index",
-    "make_view",
-    "view_contents",
-    "data_ptr",
-    "cache_key",
-    "fresh_translation",
-    "invalidate_loc_cache",
-    "translate_loc_from_full_to_swa",
-    "forward",
-    "capture",
-    "replay",
+    "StaleRead",
+    "Storage",
     "alloc",
-    "alloc_extend",
     "alloc_decode",
+    "alloc_extend",
     "alloc_extend_swa_tail",
-    "free",
-    "free_swa",
-    "free_full",
-    "set_full_to_swa_mapping",
-    "clear",
     "backup_state",
-    "restore_state",
+    "cache_key",
+    "capture",
+    "clear",
+    "data_ptr",
+    "forward",
+    "free",
+    "free_full",
+    "free_storage",
+    "free_swa",
+    "fresh_translation",
+    "initial_system",
+    "invalidate_loc_cache",
+    "make_view",
+    "new_storage",
     "register_mapping",
+    "replay",
+    "restore_state",
+    "set_full_to_swa_mapping",
+    "translate_loc_from_full_to_swa",
+    "view_contents",
+    "write_index",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -118,14 +118,14 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Rows = Mapping[int, tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]]
 
 
-class KeyScheme(str, enum.Enum):
+class KeyScheme(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """What the cache key is made of."""
 
     DATA_PTR = "data_ptr"  # (x.data_ptr(), x.numel()): the view's own address (#25824 as merged)
     STORAGE_BASE = "storage_base"  # (x.untyped_storage().data_ptr(), x.numel()): intermediate revision (S5)
 
 
-class InvalidationPoint(str, enum.Enum):
+class InvalidationPoint(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """A place where upstream calls ``invalidate_loc_cache()`` (§3.3)."""
 
     ALLOC = "alloc"
@@ -257,14 +257,9 @@ def make_view(system: LocCacheSystem, storage: int, offset: int, numel: int) -> 
 
 def _live_view(system: LocCacheSystem, op: str, view: IndexView) -> tuple[int, ...]:
     storages = system.memory.storages
-    _mem_require(0 <= view.storage < len(storages) and storages[view.storage].alive, op, "storage",
-                 f"storage {view.storage} is not allocated")
+    require(0 <= view.storage < len(storages) and storages[view.storage].alive, op, "storage",
+            f"storage {view.storage} is not allocated")
     return view_contents(system.memory, view)
-
-
-def _mem_require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
 
 
 # ---------------------------------------------------------------- translation
@@ -296,7 +291,7 @@ def translate_loc_from_full_to_swa(system: LocCacheSystem, view: IndexView, *, p
     n = len(_mapping(system, pool)) - 1
     for f in contents:
         # -1 (no prefix) or a full slot id
-        _mem_require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
+        require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
     slot = _cache_slot(system, pool)
     cache, key = system.caches[slot], cache_key(system.memory, view, system.policy.key_scheme)
     if cache.key == key and cache.value is not None:
@@ -314,7 +309,7 @@ def _note(system: LocCacheSystem, op: str, pool: int, view: IndexView, value: tu
     if value == fresh:
         return system
     read = StaleRead(op=op, pool=pool, view=view, returned=value, fresh=fresh)
-    return system.model_copy(update={"stale_reads": system.stale_reads + (read,)})
+    return system.model_copy(update={"stale_reads": (*system.stale_reads, read)})
 
 
 # ---------------------------------------------------------------- forward, capture, replay
@@ -336,8 +331,8 @@ def _check_batch(system: LocCacheSystem, op: str, loc: IndexView) -> None:
     """out_cache_loc holds distinct live full slots, or 0 for padding tokens."""
     slots = [f for f in _live_view(system, op, loc) if f != 0]
     for f in slots:
-        _mem_require(sa.is_live(system.allocator, f), op, "out_cache_loc", f"slot {f} is not a live full slot")
-    _mem_require(len(set(slots)) == len(slots), op, "out_cache_loc", f"a slot appears twice in {slots}")
+        require(sa.is_live(system.allocator, f), op, "out_cache_loc", f"slot {f} is not a live full slot")
+    require(len(set(slots)) == len(slots), op, "out_cache_loc", f"a slot appears twice in {slots}")
 
 
 def _write_layers(system: LocCacheSystem, op: str, loc: IndexView, rows: Rows,
@@ -366,8 +361,8 @@ def capture(system: LocCacheSystem, loc: IndexView, *, warmups: int = 2) -> LocC
     runs write no KV that anyone reads.
     """
     op = "capture"
-    _mem_require(set(_live_view(system, op, loc)) <= {0}, op, "loc", "capture runs on a padding buffer (all 0)")
-    _mem_require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
+    require(set(_live_view(system, op, loc)) <= {0}, op, "loc", "capture runs on a padding buffer (all 0)")
+    require(warmups >= 0, op, "warmups", f"must be >= 0, got {warmups}")
     hit = False
     value: tuple[int, ...] = ()
     for _ in range(warmups + 1):
@@ -387,10 +382,9 @@ def replay(system: LocCacheSystem, rows: Rows) -> LocCacheSystem:
     the graph writes every layer's rows; SWA layers use the recorded gather (fresh) or
     the constant captured with it.
     """
-    op = "replay"
-    _mem_require(system.graph is not None, op, "graph", "nothing was captured")
-    assert system.graph is not None
-    graph = system.graph
+    op, graph = "replay", system.graph
+    if graph is None:
+        raise InvalidOperation(op, "graph", "nothing was captured")
     _check_batch(system, op, graph.loc)
     system = _at(system, InvalidationPoint.FORWARD)
     value = fresh_translation(system, graph.loc) if graph.recorded_gather else graph.constant

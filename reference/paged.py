@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Owner", "PagedPool", "initial_pool", "take_pages", "release_pages"]
+__all__ = ["Owner", "PagedPool", "initial_pool", "release_pages", "take_pages"]
 
 #: Ghost owner label of a page: the id of the request holding it.
 Owner = int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["PoolSnapshot", "AllocatorSnapshot"]
+__all__ = ["AllocatorSnapshot", "PoolSnapshot"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

@@ -43,43 +43,44 @@ Where kvproof deliberately differs from SGLang 0.5.23, the code says
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
 from kvproof.reference.arith import ceil_div, extend_parts, num_new_pages
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.kv import KVStore, Row, empty_store, forget_rows, read_rows, write_rows
 from kvproof.reference.paged import Owner, PagedPool, initial_pool, release_pages, take_pages
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [
-    "SWAAllocatorState",
     "AllocatorBackup",
     "KVCpuCopy",
-    "initial_state",
+    "SWAAllocatorState",
     "alloc",
-    "alloc_extend",
     "alloc_decode",
+    "alloc_extend",
     "alloc_extend_swa_tail",
-    "free",
-    "free_swa",
-    "free_full",
-    "clear",
-    "backup_state",
-    "restore_state",
-    "get_cpu_copy",
-    "load_cpu_copy",
-    "set_kv_buffer",
-    "set_full_to_swa_mapping",
-    "check_live_mapping",
-    "translate_loc_from_full_to_swa",
     "available_size",
+    "backup_state",
+    "check_live_mapping",
+    "check_live_pairs",
+    "clear",
+    "free",
+    "free_full",
+    "free_swa",
     "full_available_size",
-    "swa_available_size",
+    "get_cpu_copy",
+    "initial_state",
     "is_live",
+    "load_cpu_copy",
+    "restore_state",
+    "set_full_to_swa_mapping",
+    "set_kv_buffer",
     "snapshot",
+    "swa_available_size",
+    "translate_loc_from_full_to_swa",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -166,7 +167,7 @@ def translate_loc_from_full_to_swa(state: SWAAllocatorState, loc: Sequence[int])
     op, n = "translate_loc_from_full_to_swa", len(state.full_to_swa_index_mapping) - 1
     for f in loc:
         # -1 (no prefix) or a full slot id
-        _require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
+        require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
     return tuple(state.full_to_swa_index_mapping[f] for f in loc)
 
 
@@ -192,9 +193,9 @@ def alloc(state: SWAAllocatorState, need_size: int, *, owner: Owner | None = Non
     as long as ``need_size`` is page aligned (the paged ``alloc`` contract).
     """
     op, p = "alloc", state.config.page_size
-    _require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
+    require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
     # the paged bulk alloc takes whole pages
-    _require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p}")
+    require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p}")
     k = need_size // p
     _check_capacity(state, op, k, k)
     who, next_owner = (owner, state.next_owner) if owner is not None else (state.next_owner, state.next_owner + 1)
@@ -234,7 +235,7 @@ def alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int], last_loc: Se
     op = "alloc_decode"
     for s in seq_lens:
         # the decoded token is at position s - 1
-        _require(s >= 1, op, "seq_lens", f"must be >= 1, got {s}")
+        require(s >= 1, op, "seq_lens", f"must be >= 1, got {s}")
     prefix_lens = tuple(s - 1 for s in seq_lens)
     _check_extend_args(state, op, prefix_lens, seq_lens, last_loc, len(seq_lens))
     _check_swa_continuation(state, op, prefix_lens, seq_lens, last_loc)
@@ -254,14 +255,14 @@ def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], 
     """
     op = "alloc_extend_swa_tail"
     # upstream asserts bs == 1
-    _require(len(seq_lens) == 1, op, "seq_lens", f"tail allocation takes one request, got {len(seq_lens)}")
+    require(len(seq_lens) == 1, op, "seq_lens", f"tail allocation takes one request, got {len(seq_lens)}")
     _check_extend_args(state, op, prefix_lens, seq_lens, last_loc, extend_num_tokens)
     p, (s,) = state.config.page_size, seq_lens
-    _require(0 <= swa_tail_len <= extend_num_tokens, op, "swa_tail_len",
-             f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
+    require(0 <= swa_tail_len <= extend_num_tokens, op, "swa_tail_len",
+            f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
     # U1: the tail starts on a page boundary, so SWA offsets match position offsets
-    _require((s - swa_tail_len) % p == 0, op, "swa_tail_len",
-             f"tail start seq_len - swa_tail_len = {s - swa_tail_len} is not a multiple of page_size {p} (U1)")
+    require((s - swa_tail_len) % p == 0, op, "swa_tail_len",
+            f"tail start seq_len - swa_tail_len = {s - swa_tail_len} is not a multiple of page_size {p} (U1)")
     (who,), next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
     kf, ks = num_new_pages(prefix_lens[0], s, p), ceil_div(swa_tail_len, p)
     _check_capacity(state, op, kf, ks)
@@ -307,8 +308,8 @@ def free_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocat
     for g in sorted({f // p for f in free_index}):
         for f in range(g * p, g * p + state.fill[g]):
             # a live SWA peer would be stranded (0.5.23 guard swa.peer_released)
-            _require(mapping[f] == 0, op, "free_index",
-                     f"slot {f} (page {g}) still maps to SWA slot {mapping[f]}: use free or free_swa first")
+            require(mapping[f] == 0, op, "free_index",
+                    f"slot {f} (page {g}) still maps to SWA slot {mapping[f]}: use free or free_swa first")
     return _release_full(state, free_index)
 
 
@@ -332,9 +333,9 @@ def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAlloc
     """
     op = "restore_state"
     # only allocations may happen between backup_state and restore_state
-    _require(backup.epoch == state.epoch, op, "state",
-             f"pages were released since backup_state (epoch {backup.epoch} -> {state.epoch})")
-    _require(len(backup.fill) == len(state.fill), op, "state", "backup comes from a pool of another size")
+    require(backup.epoch == state.epoch, op, "state",
+            f"pages were released since backup_state (epoch {backup.epoch} -> {state.epoch})")
+    require(len(backup.fill) == len(state.fill), op, "state", "backup comes from a pool of another size")
     full = _roll_back(state.full, backup.full_free_pages)
     swa = _roll_back(state.swa, backup.swa_free_pages)
     # a restore releases pages too: any other backup is stale from now on
@@ -350,15 +351,15 @@ def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int
     cannot undo a remap (it never restores M): a backup taken before one is stale.
     """
     op = "set_full_to_swa_mapping"
-    _require(len(full_indices) == len(swa_indices), op, "swa_indices",
-             f"{len(swa_indices)} SWA slots for {len(full_indices)} full slots")
+    require(len(full_indices) == len(swa_indices), op, "swa_indices",
+            f"{len(swa_indices)} SWA slots for {len(full_indices)} full slots")
     if not full_indices:
         return state
     _check_live(state, op, "full_indices", full_indices, duplicates_ok=False)
     p, top = state.config.page_size, (state.config.num_pages_swa + 1) * state.config.page_size
     for s in swa_indices:
         # M1: 0 (no SWA slot) or a real SWA slot
-        _require(s == 0 or p <= s < top, op, "swa_indices", f"{s} is neither 0 nor an SWA slot in [{p}, {top})")
+        require(s == 0 or p <= s < top, op, "swa_indices", f"{s} is neither 0 nor an SWA slot in [{p}, {top})")
     new = _set_mapping(state, full_indices, swa_indices)
     try:
         check_live_mapping(new)
@@ -382,15 +383,15 @@ def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
     the padding slot and is lost.
     """
     op, geo = "set_kv_buffer", state.config.kv
-    _require(0 <= layer_id < geo.num_layers, op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
-    _require(len(cache_k) == len(loc) == len(cache_v), op, "cache_k",
-             f"{len(cache_k)} K rows and {len(cache_v)} V rows for {len(loc)} slots")
+    require(0 <= layer_id < geo.num_layers, op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
+    require(len(cache_k) == len(loc) == len(cache_v), op, "cache_k",
+            f"{len(cache_k)} K rows and {len(cache_v)} V rows for {len(loc)} slots")
     for row in (*cache_k, *cache_v):
-        _require(len(row) == geo.row_width, op, "cache_k", f"row of {len(row)} values, expected {geo.row_width}")
+        require(len(row) == geo.row_width, op, "cache_k", f"row of {len(row)} values, expected {geo.row_width}")
     # live slots, or 0 for padding tokens (CUDA-graph padding writes into the reserved slot by design, §1.4)
     _check_live(state, op, "loc", [f for f in loc if f != 0], duplicates_ok=False)
     if swa_loc is not None:
-        _require(len(swa_loc) == len(loc), op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
+        require(len(swa_loc) == len(loc), op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
     if not geo.is_swa_layer(layer_id):
         dest = tuple(loc)
     else:
@@ -428,10 +429,10 @@ def load_cpu_copy(state: SWAAllocatorState, kv_cpu: KVCpuCopy, indices: Sequence
     """
     op, geo = "load_cpu_copy", state.config.kv
     # position alignment: the copy and the destination cover the same positions
-    _require(len(indices) == len(kv_cpu.swa_mask), op, "indices",
-             f"{len(indices)} destination slots for a copy of {len(kv_cpu.swa_mask)} positions")
-    _require(len(kv_cpu.full) == len(geo.full_attention_layer_ids), op, "kv_cache_cpu",
-             "copy has a different number of full layers")
+    require(len(indices) == len(kv_cpu.swa_mask), op, "indices",
+            f"{len(indices)} destination slots for a copy of {len(kv_cpu.swa_mask)} positions")
+    require(len(kv_cpu.full) == len(geo.full_attention_layer_ids), op, "kv_cache_cpu",
+            "copy has a different number of full layers")
     _check_live(state, op, "indices", indices, duplicates_ok=False)
     kv = state.kv
     for layer, rows in zip(geo.full_attention_layer_ids, kv_cpu.full, strict=True):
@@ -449,11 +450,6 @@ def load_cpu_copy(state: SWAAllocatorState, kv_cpu: KVCpuCopy, indices: Sequence
 # ---------------------------------------------------------------- internals
 
 
-def _require(condition: bool, op: str, argument: str, message: str) -> None:
-    if not condition:
-        raise InvalidOperation(op, argument, message)
-
-
 def _check_capacity(state: SWAAllocatorState, op: str, full_pages: int, swa_pages: int) -> None:
     if full_pages > len(state.full.free_pages):
         raise OutOfMemory(op, "full", full_pages, len(state.full.free_pages))
@@ -467,12 +463,12 @@ def _check_live(state: SWAAllocatorState, op: str, arg: str, slots: Sequence[int
     p, end = state.config.page_size, (state.config.num_pages_full + 1) * state.config.page_size
     seen: set[int] = set()
     for f in slots:
-        _require(0 <= f < end, op, arg, f"slot {f} is outside the full pool [0, {end})")
-        _require(f >= p, op, arg, f"slot {f} lies in the reserved page 0")
-        _require(state.full.is_allocated(f // p), op, arg, f"slot {f} is in page {f // p}, which {freed_means}")
-        _require(f % p < state.fill[f // p], op, arg,
-                 f"slot {f} was never handed out (page {f // p} has {state.fill[f // p]} live slots)")
-        _require(duplicates_ok or f not in seen, op, arg, f"slot {f} appears twice")
+        require(0 <= f < end, op, arg, f"slot {f} is outside the full pool [0, {end})")
+        require(f >= p, op, arg, f"slot {f} lies in the reserved page 0")
+        require(state.full.is_allocated(f // p), op, arg, f"slot {f} is in page {f // p}, which {freed_means}")
+        require(f % p < state.fill[f // p], op, arg,
+                f"slot {f} was never handed out (page {f // p} has {state.fill[f // p]} live slots)")
+        require(duplicates_ok or f not in seen, op, arg, f"slot {f} appears twice")
         seen.add(f)
 
 
@@ -485,28 +481,29 @@ def _check_extend_args(state: SWAAllocatorState, op: str, prefix_lens: Sequence[
                        last_loc: Sequence[int], extend_num_tokens: int) -> None:
     """Preconditions shared by the paged extends (§1.3), stated for the full side."""
     p = state.config.page_size
-    _require(len(prefix_lens) == len(seq_lens) == len(last_loc), op, "seq_lens",
-             f"prefix_lens, seq_lens, last_loc have lengths {len(prefix_lens)}, {len(seq_lens)}, {len(last_loc)}")
+    require(len(prefix_lens) == len(seq_lens) == len(last_loc), op, "seq_lens",
+            f"prefix_lens, seq_lens, last_loc have lengths {len(prefix_lens)}, {len(seq_lens)}, {len(last_loc)}")
     for pre, seq in zip(prefix_lens, seq_lens, strict=True):
-        _require(0 <= pre <= seq, op, "seq_lens", f"need 0 <= prefix_len <= seq_len, got {pre} and {seq}")
+        require(0 <= pre <= seq, op, "seq_lens", f"need 0 <= prefix_len <= seq_len, got {pre} and {seq}")
     # U2: the caller's token count matches the batch
     total = sum(seq_lens) - sum(prefix_lens)
-    _require(extend_num_tokens == total, op, "extend_num_tokens", f"{extend_num_tokens} != sum(seq - prefix) = {total}")
+    require(extend_num_tokens == total, op, "extend_num_tokens", f"{extend_num_tokens} != sum(seq - prefix) = {total}")
     pages = []
     for pre, seq, loc in zip(prefix_lens, seq_lens, last_loc, strict=True):
         # last_loc is -1 exactly for requests without a prefix
-        _require((loc == -1) == (pre == 0), op, "last_loc", f"{loc} for prefix_len {pre}")
+        require((loc == -1) == (pre == 0), op, "last_loc", f"{loc} for prefix_len {pre}")
         if pre == 0:
             continue
         _check_live(state, op, "last_loc", (loc,), duplicates_ok=True)
         # the new token continues right after last_loc (SGLang's debug-mode check)
-        _require((loc + 1) % p == pre % p, op, "last_loc", f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
-        _require(state.fill[loc // p] == loc % p + 1, op, "last_loc",
-                 f"slot {loc} is not the last live slot of page {loc // p}")
+        require((loc + 1) % p == pre % p, op, "last_loc",
+                f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
+        require(state.fill[loc // p] == loc % p + 1, op, "last_loc",
+                f"slot {loc} is not the last live slot of page {loc // p}")
         if pre % p and seq > pre:
             pages.append(loc // p)
     # two requests cannot continue the same partial page
-    _require(len(pages) == len(set(pages)), op, "last_loc", f"two requests continue the same page: {sorted(pages)}")
+    require(len(pages) == len(set(pages)), op, "last_loc", f"two requests continue the same page: {sorted(pages)}")
 
 
 def _check_swa_continuation(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int],
@@ -514,8 +511,8 @@ def _check_swa_continuation(state: SWAAllocatorState, op: str, prefix_lens: Sequ
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
     for pre, seq, loc in zip(prefix_lens, seq_lens, last_loc, strict=True):
         # M5: a 1:1 extend that continues a page continues its SWA page too
-        _require(not (pre % p and seq > pre) or mapping[loc] > 0, op, "last_loc",
-                 f"continues page {loc // p} but its SWA side is released (M[{loc}] == 0)")
+        require(not (pre % p and seq > pre) or mapping[loc] > 0, op, "last_loc",
+                f"continues page {loc // p} but its SWA side is released (M[{loc}] == 0)")
 
 
 def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int], last_loc: Sequence[int],
@@ -528,9 +525,10 @@ def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int
             who = current if current is not None else nxt
             nxt += current is None
         else:
-            _require(len(owners) == len(prefix_lens), op, "owners", f"{len(owners)} owners for {len(prefix_lens)} requests")
+            require(len(owners) == len(prefix_lens), op, "owners",
+                    f"{len(owners)} owners for {len(prefix_lens)} requests")
             who = owners[i]
-            _require(current is None or current == who, op, "owners", f"page {loc // p} belongs to {current}, not {who}")
+            require(current is None or current == who, op, "owners", f"page {loc // p} belongs to {current}, not {who}")
         out.append(who)
     return tuple(out), nxt
 
@@ -538,14 +536,14 @@ def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int
 def _extend_slots(prefix_len: int, seq_len: int, last_loc: int, new_pages: Sequence[int], p: int) -> list[int]:
     """Slots of one request's extend: part 1 after ``last_loc``, then the new pages in order (§1.3)."""
     n1, n2, n3 = extend_parts(prefix_len, seq_len, p)
+    # G4: the capacity check took exactly the pages the geometry needs
+    ensure(len(new_pages) == n2 // p + (n3 > 0), "G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
     slots = [last_loc + 1 + i for i in range(n1)]
     for page in new_pages[: n2 // p]:
         slots.extend(range(page * p, page * p + p))
     if n3:
         page = new_pages[n2 // p]
         slots.extend(range(page * p, page * p + n3))
-    if len(new_pages) != n2 // p + (n3 > 0):
-        raise InvariantViolation("G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
     return slots
 
 
@@ -596,10 +594,12 @@ def _release_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllo
     for g in touched:
         for f in range(g * p, g * p + state.fill[g]):
             s = mapping[f]
-            if s > 0 and (not state.swa.is_allocated(s // p) or state.swa.owner[s // p] != state.full.owner[g]):
-                raise InvariantViolation("M2", f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
-            if s > 0:
-                swa_pages.append(s // p)
+            if s <= 0:
+                continue
+            # M2: the SWA page released with a live full slot is held by the same owner
+            ensure(state.swa.is_allocated(s // p) and state.swa.owner[s // p] == state.full.owner[g], "M2",
+                   f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
+            swa_pages.append(s // p)
     zeroed = [f for g in touched for f in range(g * p, g * p + p)]
     state = _set_mapping(state, zeroed, (0,) * len(zeroed))
     return state.model_copy(update={"swa": release_pages(state.swa, swa_pages),
@@ -626,30 +626,39 @@ def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:
 def check_live_mapping(state: SWAAllocatorState) -> None:
     """M2 (as maintained) and M5 over live slots, plus: every owned SWA page is reachable (G3).
 
-    Raises :class:`InvariantViolation`; :mod:`kvproof.reference.invariants` runs it with
-    the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
+    Raises :class:`InvariantViolation` (:func:`check_live_pairs`); :mod:`kvproof.reference.invariants`
+    runs it with the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
     """
-    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    mapping, swa = state.full_to_swa_index_mapping, state.swa
+    live = [(f, s) for f, s in enumerate(mapping[:-1]) if s > 0 and is_live(state, f)]
+    swa_owner = {h: who for h in range(1, swa.num_pages + 1) if (who := swa.owner[h]) is not None}
+    check_live_pairs(state.config.page_size, live, state.full.owner, swa_owner)
+
+
+def check_live_pairs(page_size: int, live: Iterable[tuple[int, int]], full_owner: Sequence[Owner | None],
+                     swa_owner: Mapping[int, Owner]) -> None:
+    """The rules of :func:`check_live_mapping` over plain values, shared with the torch runtime.
+
+    ``live``: ``(f, M[f])`` for every live full slot ``f`` with ``M[f] > 0``, ascending;
+    ``full_owner[g]``: the owner of full page ``g``; ``swa_owner``: the owner of every
+    allocated SWA page (labels are only compared for equality). Raises
+    :class:`InvariantViolation` for the first slot that breaks a rule, in slot order, then G3.
+    """
+    p = page_size
     seen: dict[int, int] = {}
     page_of_swa_page: dict[int, int] = {}
-    for f, s in enumerate(mapping[:-1]):
-        if s <= 0 or not is_live(state, f):
-            continue
+    for f, s in live:
         g, h = f // p, s // p
         # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
-        _ensure_invariant(state.swa.is_allocated(h), "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
-        _ensure_invariant(state.swa.owner[h] == state.full.owner[g], "M2",
-                f"full slot {f} (owner {state.full.owner[g]}) maps to SWA slot {s} of owner {state.swa.owner[h]}")
-        _ensure_invariant(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
+        ensure(h in swa_owner, "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
+        ensure(swa_owner[h] == full_owner[g], "M2",
+               f"full slot {f} (page {g}) maps to SWA slot {s} in page {h} of another owner")
+        ensure(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
         seen[s] = f
         # M5: same offset in page, and one SWA page pairs with one full page
-        _ensure_invariant(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
-        _ensure_invariant(page_of_swa_page.setdefault(h, g) == g, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
-    orphans = [h for h in range(1, state.swa.num_pages + 1) if state.swa.is_allocated(h) and h not in page_of_swa_page]
+        ensure(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
+        ensure(page_of_swa_page.setdefault(h, g) == g, "M5",
+               f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
+    orphans = [h for h in swa_owner if h not in page_of_swa_page]
     # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
-    _ensure_invariant(not orphans, "G3", f"SWA pages owned but mapped from no live full slot: {orphans}")
-
-
-def _ensure_invariant(condition: bool, invariant: str, message: str) -> None:
-    if not condition:
-        raise InvariantViolation(invariant, message)
+    ensure(not orphans, "G3", lambda: f"SWA pages owned but mapped from no live full slot: {sorted(orphans)}")

@@ -46,24 +46,28 @@ def main() -> None:
     geo = KVGeometry(head_num=8, head_dim=64, full_attention_layer_ids=(1,), swa_attention_layer_ids=(0, 2))
     cfg = PoolConfig(size_full=1 << 16, size_swa=1 << 16, page_size=1, sliding_window_size=128, kv=geo)
     a = SWATokenToKVPoolAllocator(cfg)
-    pool, sync = a.get_kvcache(), a.device.type == "cuda"
+    sync = a.device.type == "cuda"
     slots = a.alloc(4096)
     print(f"device={a.device} torch={torch.__version__} threads={args.threads}")
     for n in (64, 4096):
-        x = slots[:n]
-        m = a.full_to_swa_index_mapping
+        bench_size(a, slots[:n], args.seconds, sync)
 
-        def miss() -> object:
-            pool.invalidate_loc_cache()
-            return pool.translate_loc_from_full_to_swa(x)
 
-        hit = per_call_us(lambda: pool.translate_loc_from_full_to_swa(x), args.seconds, sync)
-        print(f"n={n:5d}  hit {hit:7.2f} us   miss {per_call_us(miss, args.seconds, sync):7.2f} us   "
-              f"bare M[x] {per_call_us(lambda: m[x], args.seconds, sync):7.2f} us")
-        k = {i: torch.zeros(n, geo.head_num, geo.head_dim, device=a.device) for i in (0, 1, 2)}
-        cached = per_call_us(lambda: a.forward(x, k, k), args.seconds, sync)
-        fresh = per_call_us(lambda: [pool.set_kv_buffer(i, x, k[i], k[i]) for i in (0, 1, 2)], args.seconds, sync)
-        print(f"         forward (1 gather) {cached:8.2f} us   3 x set_kv_buffer (fresh gathers) {fresh:8.2f} us")
+def bench_size(a: SWATokenToKVPoolAllocator, x: torch.Tensor, seconds: float, sync: bool) -> None:
+    """One line pair of the report: translations and forwards of the ``x.numel()`` slots ``x``."""
+    pool, m, geo, n = a.get_kvcache(), a.full_to_swa_index_mapping, a.config.kv, x.numel()
+
+    def miss() -> object:
+        pool.invalidate_loc_cache()
+        return pool.translate_loc_from_full_to_swa(x)
+
+    hit = per_call_us(lambda: pool.translate_loc_from_full_to_swa(x), seconds, sync)
+    print(f"n={n:5d}  hit {hit:7.2f} us   miss {per_call_us(miss, seconds, sync):7.2f} us   "
+          f"bare M[x] {per_call_us(lambda: m[x], seconds, sync):7.2f} us")
+    k = {i: torch.zeros(n, geo.head_num, geo.head_dim, device=a.device) for i in (0, 1, 2)}
+    cached = per_call_us(lambda: a.forward(x, k, k), seconds, sync)
+    fresh = per_call_us(lambda: [pool.set_kv_buffer(i, x, k[i], k[i]) for i in (0, 1, 2)], seconds, sync)
+    print(f"         forward (1 gather) {cached:8.2f} us   3 x set_kv_buffer (fresh gathers) {fresh:8.2f} us")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Throughput of the torch runtime's hot paths (a script, not a test: ``.venv/bin/python tests/gpu_runtime/bench_throughput.py``).
+"""Throughput of the torch runtime's hot paths.
+
+A script, not a test: ``.venv/bin/python tests/gpu_runtime/bench_throughput.py``.
 
 Measures ``alloc_extend`` (bs requests, prefix 0 -> n tokens) + ``free`` pairs per second,
 and ``alloc_decode`` (bs requests, one token each) + the matching ``free``, on the
@@ -64,7 +66,8 @@ def main() -> None:
         cfg = PoolConfig(size_full=1 << 16, size_swa=1 << 16, page_size=p, sliding_window_size=128)
         a = SWATokenToKVPoolAllocator(cfg)
         for bs, n in ((1, 1), (1, 16), (1, 128), (1, 1024), (8, 128)):
-            print(f"P={p} alloc_extend(bs={bs}, 0->{n}) + free: {rate(extend_free(a, bs, n), args.seconds):9.0f} pairs/s")
+            pairs = rate(extend_free(a, bs, n), args.seconds)
+            print(f"P={p} alloc_extend(bs={bs}, 0->{n}) + free: {pairs:9.0f} pairs/s")
         for bs in (1, 64):
             print(f"P={p} alloc_decode(bs={bs}) + free:          {rate(decode_free(a, bs), args.seconds):9.0f} pairs/s")
         a.check_invariants()

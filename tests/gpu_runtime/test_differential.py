@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference import KVGeometry, PoolConfig, arith, check_invariants
-from kvproof.reference import swa_allocator as R
+from kvproof.reference import swa_allocator as sa
 from kvproof.reference.errors import OutOfMemory, PoolError
 
 CONFIGS = [
@@ -56,12 +56,12 @@ class World:
 
     cfg: PoolConfig
     rt: SWATokenToKVPoolAllocator
-    s: R.SWAAllocatorState
+    s: sa.SWAAllocatorState
     rng: random.Random
     reqs: dict[int, list[int]] = field(default_factory=dict)  # request -> full slots by position
     dead: list[list[int]] = field(default_factory=list)  # slot lists already freed (double-free bait)
     backups: list[tuple[Any, Any, dict[int, list[int]]]] = field(default_factory=list)
-    copies: list[tuple[R.KVCpuCopy, dict[str, Any], int]] = field(default_factory=list)
+    copies: list[tuple[sa.KVCpuCopy, dict[str, Any], int]] = field(default_factory=list)
     next_rid: int = 0
 
     @property
@@ -72,7 +72,7 @@ class World:
         self.next_rid += 1
         return self.next_rid
 
-    def both(self, ref: Callable[[R.SWAAllocatorState], tuple[R.SWAAllocatorState, Any]],
+    def both(self, ref: Callable[[sa.SWAAllocatorState], tuple[sa.SWAAllocatorState, Any]],
              rt: Callable[[], Any]) -> tuple[bool, Any]:
         """Run one op on both; assert the same outcome; return (ok, result)."""
         try:
@@ -91,14 +91,14 @@ class World:
         return out_ref[0] == "ok", out_ref[1]
 
     def compare_state(self) -> None:
-        assert self.rt.snapshot() == R.snapshot(self.s)
-        assert self.rt.available_size() == R.available_size(self.s)
+        assert self.rt.snapshot() == sa.snapshot(self.s)
+        assert self.rt.available_size() == sa.available_size(self.s)
         check_invariants(self.s)
         self.rt.check_invariants()
         assert_kv_equal(self.rt, self.s)
 
 
-def assert_kv_equal(rt: SWATokenToKVPoolAllocator, s: R.SWAAllocatorState) -> None:
+def assert_kv_equal(rt: SWATokenToKVPoolAllocator, s: sa.SWAAllocatorState) -> None:
     """Every row the reference defines has the same values in the runtime's buffers."""
     pool = rt.get_kvcache()
     for layer, rows in enumerate(s.kv.layers):
@@ -136,15 +136,15 @@ def op_extend(w: World) -> None:
     if w.rng.random() < 0.05:
         last[0] = w.rng.randint(-1, w.cfg.size_full + w.p)  # stray last_loc
     dev = w.rt.device
-    ok, out = w.both(lambda s: R.alloc_extend(s, pre, seq, last, n),
+    ok, out = w.both(lambda s: sa.alloc_extend(s, pre, seq, last, n),
                      lambda: w.rt.alloc_extend(t(pre, dev), t(pre), t(seq, dev), t(seq), t(last, dev), n))
     if ok:
-        distribute(w, rids, [b - a for a, b in zip(pre, seq)], out)
+        distribute(w, rids, [b - a for a, b in zip(pre, seq, strict=True)], out)
 
 
 def distribute(w: World, rids: list[int], counts: list[int], out: tuple[int, ...]) -> None:
     i = 0
-    for rid, c in zip(rids, counts):
+    for rid, c in zip(rids, counts, strict=True):
         if c:
             w.reqs.setdefault(rid, []).extend(out[i:i + c])
         i += c
@@ -163,7 +163,7 @@ def op_decode(w: World) -> None:
     if rids and w.rng.random() < 0.03:
         seq[0] = 0  # no position to decode
     dev = w.rt.device
-    ok, out = w.both(lambda s: R.alloc_decode(s, seq, last),
+    ok, out = w.both(lambda s: sa.alloc_decode(s, seq, last),
                      lambda: w.rt.alloc_decode(t(seq, dev), t(seq), t(last, dev)))
     if ok:
         distribute(w, rids, [1] * len(rids), out)
@@ -183,7 +183,7 @@ def op_tail(w: World) -> None:
     if w.rng.random() < 0.08:
         tail = w.rng.randint(-1, s_len - p0 + 1)  # U1 / range misuse
     n, dev = s_len - p0, w.rt.device
-    ok, out = w.both(lambda s: R.alloc_extend_swa_tail(s, [p0], [s_len], [loc], n, tail),
+    ok, out = w.both(lambda s: sa.alloc_extend_swa_tail(s, [p0], [s_len], [loc], n, tail),
                      lambda: w.rt.alloc_extend_swa_tail(t([p0], dev), t([p0]), t([s_len], dev), t([s_len]),
                                                         t([loc], dev), n, tail))
     if ok:
@@ -192,7 +192,7 @@ def op_tail(w: World) -> None:
 
 def op_alloc(w: World) -> None:
     need = w.p * w.rng.randint(0, 3) if w.rng.random() < 0.9 else w.rng.randint(-1, 3 * w.p)
-    ok, out = w.both(lambda s: R.alloc(s, need), lambda: w.rt.alloc(need))
+    ok, out = w.both(lambda s: sa.alloc(s, need), lambda: w.rt.alloc(need))
     if ok and out:
         w.reqs[w.new_rid()] = list(out)
 
@@ -218,21 +218,21 @@ def op_free(w: World, which: str) -> None:
     rid, slots = pick_slots(w)
     if which == "free_swa" and rid is not None and w.rng.random() < 0.6:
         slots = sorted(w.reqs[rid])[: w.rng.randint(0, len(w.reqs[rid]))]  # window eviction of a prefix
-    ref_fn = {"free": R.free, "free_swa": R.free_swa, "free_full": R.free_full}[which]
+    ref_fn = {"free": sa.free, "free_swa": sa.free_swa, "free_full": sa.free_full}[which]
     ok, _ = w.both(lambda s: (ref_fn(s, slots), None), lambda: getattr(w.rt, which)(t(slots, w.rt.device)))
     if ok and which != "free_swa" and rid is not None:
         w.dead.append(w.reqs.pop(rid))
 
 
 def op_backup(w: World) -> None:
-    w.backups.append((R.backup_state(w.s), w.rt.backup_state(), copy.deepcopy(w.reqs)))
+    w.backups.append((sa.backup_state(w.s), w.rt.backup_state(), copy.deepcopy(w.reqs)))
 
 
 def op_restore(w: World) -> None:
     if not w.backups:
         return
     b_ref, b_rt, reqs = w.backups[-1]
-    ok, _ = w.both(lambda s: (R.restore_state(s, b_ref), None), lambda: w.rt.restore_state(b_rt))
+    ok, _ = w.both(lambda s: (sa.restore_state(s, b_ref), None), lambda: w.rt.restore_state(b_rt))
     if ok:
         # only the restored backup's world is known; restoring a newer backup after it
         # is the reference's leak quirk (tested on its own in test_swa_allocator.py)
@@ -240,7 +240,7 @@ def op_restore(w: World) -> None:
 
 
 def op_clear(w: World) -> None:
-    w.both(lambda s: (R.clear(s), None), lambda: w.rt.clear())
+    w.both(lambda s: (sa.clear(s), None), lambda: w.rt.clear())
     w.reqs, w.dead = {}, []
 
 
@@ -256,7 +256,7 @@ def op_set_kv(w: World) -> None:
         v = v[:, :, :-1]  # row width misuse
     dev = w.rt.device
     rows_k, rows_v = [r.flatten().tolist() for r in k], [r.flatten().tolist() for r in v]
-    w.both(lambda s: (R.set_kv_buffer(s, layer, slots, rows_k, rows_v), None),
+    w.both(lambda s: (sa.set_kv_buffer(s, layer, slots, rows_k, rows_v), None),
            lambda: w.rt.get_kvcache().set_kv_buffer(layer, t(slots, dev), k.to(dev), v.to(dev)))
 
 
@@ -266,8 +266,8 @@ def op_copy(w: World) -> None:
         slots = sorted(w.reqs[rid], key=w.reqs[rid].index)  # positions in order
     got: dict[str, Any] = {}
 
-    def ref(s: R.SWAAllocatorState) -> tuple[R.SWAAllocatorState, None]:
-        got["ref"] = R.get_cpu_copy(s, slots)
+    def ref(s: sa.SWAAllocatorState) -> tuple[sa.SWAAllocatorState, None]:
+        got["ref"] = sa.get_cpu_copy(s, slots)
         return s, None
 
     def rt() -> None:
@@ -279,7 +279,7 @@ def op_copy(w: World) -> None:
         w.copies.append((got["ref"], got["rt"], len(slots)))
 
 
-def assert_copies_equal(c_ref: R.KVCpuCopy, c_rt: dict[str, Any]) -> None:
+def assert_copies_equal(c_ref: sa.KVCpuCopy, c_rt: dict[str, Any]) -> None:
     """Same mask, and every row the reference defines is the same in the runtime's copy."""
     assert c_rt["swa_mask"].tolist() == list(c_ref.swa_mask)
     assert (c_rt["swa"] is None) == (c_ref.swa is None)
@@ -295,13 +295,13 @@ def op_load(w: World) -> None:
         return
     c_ref, c_rt, n = w.rng.choice(w.copies)
     slots = w.reqs[w.rng.choice(sorted(w.reqs))][:n]  # the first n positions of some request
-    w.both(lambda s: (R.load_cpu_copy(s, c_ref, slots), None),
+    w.both(lambda s: (sa.load_cpu_copy(s, c_ref, slots), None),
            lambda: w.rt.load_cpu_copy(c_rt, t(slots, w.rt.device)))
 
 
 def op_set_mapping(w: World) -> None:
     """HiCache load-back: swap the SWA pages of two full pages -- of one request (legal) or of two (M2: owners)."""
-    p, m = w.p, R.snapshot(w.s).full_to_swa_index_mapping
+    p, m = w.p, sa.snapshot(w.s).full_to_swa_index_mapping
     pages = sorted({(rid, f // p) for rid, slots in w.reqs.items() for f in slots})
     pages = [(rid, g) for rid, g in pages if all(m[f] > 0 for f in w.reqs[rid] if f // p == g)]
     if len(pages) < 2 or w.rng.random() < 0.05:
@@ -319,7 +319,7 @@ def op_set_mapping(w: World) -> None:
     if w.rng.random() < 0.05:
         swa.append(0)  # lengths disagree
     dev = w.rt.device
-    w.both(lambda s: (R.set_full_to_swa_mapping(s, full, swa), None),
+    w.both(lambda s: (sa.set_full_to_swa_mapping(s, full, swa), None),
            lambda: w.rt.set_full_to_swa_mapping(t(full, dev), t(swa, dev)))
 
 
@@ -328,7 +328,7 @@ def op_translate(w: World) -> None:
     # a fresh tensor may sit at a freed one's address (R2-a): outside contract E1 the loc cache
     # must be dropped first (tests/gpu_runtime/test_loc_cache.py exercises the cache itself)
     w.rt.get_kvcache().invalidate_loc_cache()
-    w.both(lambda s: (s, R.translate_loc_from_full_to_swa(s, locs)),
+    w.both(lambda s: (s, sa.translate_loc_from_full_to_swa(s, locs)),
            lambda: w.rt.translate_loc_from_full_to_swa(t(locs, w.rt.device)))
 
 
@@ -342,9 +342,9 @@ OPS: list[tuple[Callable[[World], None], int]] = [
 
 def run_lockstep(cfg: PoolConfig, device: str, seed: int, steps: int) -> None:
     rng = random.Random(seed)
-    w = World(cfg, SWATokenToKVPoolAllocator(cfg, device=device), R.initial_state(cfg), rng)
+    w = World(cfg, SWATokenToKVPoolAllocator(cfg, device=device), sa.initial_state(cfg), rng)
     w.compare_state()
-    fns, weights = zip(*OPS)
+    fns, weights = zip(*OPS, strict=True)
     for _ in range(steps):
         rng.choices(fns, weights)[0](w)
 

@@ -7,7 +7,7 @@ import torch
 
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.reference import hisparse_host as hh
-from kvproof.reference.errors import InvalidOperation, OutOfMemory
+from kvproof.reference.errors import ConfigError, InvalidOperation, OutOfMemory
 
 S7 = hh.HostPoolConfig(page_size=64, num_pages=40, max_req_slots=4, max_context_len=2048)
 
@@ -92,5 +92,5 @@ def test_vectorised_backup_matches_one_by_one(device: str) -> None:
 
 def test_the_runtime_refuses_the_pre_23606_coordinator() -> None:
     config = S7.model_copy(update={"coordinator": hh.Coordinator.PRE_23606})
-    with pytest.raises(ValueError, match="PAGED coordinator only"):
+    with pytest.raises(ConfigError, match=r"^HostPoolConfig\.coordinator: .*PAGED coordinator only"):
         HiSparseHostPool(config, device="cpu")

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from kvproof.conformance.mutants.loc_cache import CFG, CFG1, WITNESSES, IndexArena, stale
-from kvproof.reference.contract import LocCacheSystemUnderTest
 from kvproof.gpu_runtime import SWAKVPool, SWATokenToKVPoolAllocator
 from kvproof.reference import KVGeometry, PoolConfig, check_invariants
 from kvproof.reference import loc_cache as lc
-from kvproof.reference import swa_allocator as R
+from kvproof.reference import swa_allocator as sa
+from kvproof.reference.contract import LocCacheSystemUnderTest
 from kvproof.reference.errors import InvalidOperation, PoolError
 
 Tensor = torch.Tensor
@@ -395,7 +395,7 @@ def test_emulation_matches_a_real_cuda_graph(real: type[SWATokenToKVPoolAllocato
 
 
 def _reference_forward(loc: list[int], rows_by_layer: dict[int, tuple[list[list[float]], list[list[float]]]]
-                       ) -> tuple[Any, R.SWAAllocatorState | None]:
+                       ) -> tuple[Any, sa.SWAAllocatorState | None]:
     sys, l0 = lc.new_storage(lc.initial_system(CFG), 2048, [-1])
     sys, _ = lc.alloc_extend(sys, [0], [4], lc.make_view(sys, l0, 0, 1), 4)
     sys, sid = lc.new_storage(sys, B, loc)
@@ -432,7 +432,7 @@ def test_forward_matches_the_reference(loc: list[int], layers: tuple[int, ...], 
         slots = [s for s in (loc if layer == 1 else [int(a.full_to_swa_index_mapping[f]) for f in loc]) if s]
         kbuf, vbuf = a.get_kvcache().get_kv_buffer(layer)
         got_rows = [kbuf[s].flatten().tolist() + vbuf[s].flatten().tolist() for s in slots]
-        assert got_rows == [list(r) for r in R.kv_rows(state, layer, slots)]
+        assert got_rows == [list(r) for r in sa.kv_rows(state, layer, slots)]
 
 
 # ---------------------------------------------------------------- set_full_to_swa_mapping, register_mapping (reference)
@@ -443,29 +443,29 @@ def _three_requests(a: SWATokenToKVPoolAllocator) -> tuple[list[int], list[int],
     return (extend(a, 0, 3, t([-1])).tolist(), extend(a, 0, 2, t([-1])).tolist(), extend(a, 0, 1, t([-1])).tolist())
 
 
-def _state_after(calls: list[tuple[str, Any, Any]]) -> R.SWAAllocatorState:
-    s = R.initial_state(CFG)
+def _state_after(calls: list[tuple[str, Any, Any]]) -> sa.SWAAllocatorState:
+    s = sa.initial_state(CFG)
     for _, pre_seq, last in calls:
-        s, _ = R.alloc_extend(s, [0], [pre_seq], [last], pre_seq)
+        s, _ = sa.alloc_extend(s, [0], [pre_seq], [last], pre_seq)
     return s
 
 
 MAPPINGS: dict[str, tuple[Callable[[list[int], list[int], list[int]], tuple[list[int], list[int]]], str | None]] = {
-    # name: ((A, B, C) -> (full, swa), the argument of the expected error or None)
-    "swap A's SWA pages (fills 2 and 1)": (lambda A, B, C: (A, [4, 5, 2]), None),
-    "A's page 2 takes B's SWA page (owners differ)": (lambda A, B, C: (A + B, [2, 3, 6, 4, 5]), "swa_indices"),
-    "two slots on one SWA slot": (lambda A, B, C: ([A[0]], [B[0]]), "swa_indices"),
-    "SWA slot in a free page": (lambda A, B, C: ([A[0]], [10]), "swa_indices"),
-    "SWA slot past the pool": (lambda A, B, C: ([A[0]], [52]), "swa_indices"),
-    "SWA slot in page 0": (lambda A, B, C: ([A[0]], [1]), "swa_indices"),
-    "offsets differ (M5)": (lambda A, B, C: ([A[0]], [3]), "swa_indices"),
-    "an SWA page left unreached (G3)": (lambda A, B, C: (C, [0]), "swa_indices"),
-    "full slot never handed out": (lambda A, B, C: ([5], [0]), "full_indices"),
-    "full slot twice": (lambda A, B, C: ([A[0], A[0]], [2, 2]), "full_indices"),
-    "reserved full slot": (lambda A, B, C: ([1], [0]), "full_indices"),
-    "lengths": (lambda A, B, C: ([A[0]], []), "swa_indices"),
-    "empty": (lambda A, B, C: ([], []), None),
-    "unmap one slot of a page": (lambda A, B, C: ([A[1]], [0]), None),
+    # name: (the slots of A, B, C -> (full, swa), the argument of the expected error or None)
+    "swap A's SWA pages (fills 2 and 1)": (lambda a, b, c: (a, [4, 5, 2]), None),
+    "A's page 2 takes B's SWA page (owners differ)": (lambda a, b, c: (a + b, [2, 3, 6, 4, 5]), "swa_indices"),
+    "two slots on one SWA slot": (lambda a, b, c: ([a[0]], [b[0]]), "swa_indices"),
+    "SWA slot in a free page": (lambda a, b, c: ([a[0]], [10]), "swa_indices"),
+    "SWA slot past the pool": (lambda a, b, c: ([a[0]], [52]), "swa_indices"),
+    "SWA slot in page 0": (lambda a, b, c: ([a[0]], [1]), "swa_indices"),
+    "offsets differ (M5)": (lambda a, b, c: ([a[0]], [3]), "swa_indices"),
+    "an SWA page left unreached (G3)": (lambda a, b, c: (c, [0]), "swa_indices"),
+    "full slot never handed out": (lambda a, b, c: ([5], [0]), "full_indices"),
+    "full slot twice": (lambda a, b, c: ([a[0], a[0]], [2, 2]), "full_indices"),
+    "reserved full slot": (lambda a, b, c: ([1], [0]), "full_indices"),
+    "lengths": (lambda a, b, c: ([a[0]], []), "swa_indices"),
+    "empty": (lambda a, b, c: ([], []), None),
+    "unmap one slot of a page": (lambda a, b, c: ([a[1]], [0]), None),
 }
 
 
@@ -473,31 +473,33 @@ MAPPINGS: dict[str, tuple[Callable[[list[int], list[int], list[int]], tuple[list
 def test_set_full_to_swa_mapping_matches_the_reference(name: str, device: str) -> None:
     build, argument = MAPPINGS[name]
     a = SWATokenToKVPoolAllocator(CFG, device=device)
-    A, B_, C = _three_requests(a)
+    req_a, req_b, req_c = _three_requests(a)
     s = _state_after([("A", 3, -1), ("B", 2, -1), ("C", 1, -1)])
-    full, swa = build(A, B_, C)
+    full, swa = build(req_a, req_b, req_c)
     before = a.snapshot()
-    assert before == R.snapshot(s)
-    backups = (a.backup_state(), R.backup_state(s))
+    assert before == sa.snapshot(s)
+    backups = (a.backup_state(), sa.backup_state(s))
     try:
-        s = R.set_full_to_swa_mapping(s, full, swa)
+        s = sa.set_full_to_swa_mapping(s, full, swa)
         want = None
     except InvalidOperation as e:
-        want = (e.op, e.argument)
+        want = (e.op, e.argument, str(e))
     try:
         a.set_full_to_swa_mapping(t(full, device), t(swa, device))
         got = None
     except InvalidOperation as e:
-        got = (e.op, e.argument)
-    assert got == want == (None if argument is None else ("set_full_to_swa_mapping", argument))
-    assert a.snapshot() == R.snapshot(s)
+        got = (e.op, e.argument, str(e))
+    # the same violation: the same class, op, argument and message in both layers
+    assert got == want
+    assert (None if got is None else got[:2]) == (None if argument is None else ("set_full_to_swa_mapping", argument))
+    assert a.snapshot() == sa.snapshot(s)
     check_invariants(s)
     a.check_invariants()
-    assert _outcome(lambda: a.restore_state(backups[0])) == _outcome(lambda: R.restore_state(s, backups[1]))
+    assert _outcome(lambda: a.restore_state(backups[0])) == _outcome(lambda: sa.restore_state(s, backups[1]))
     if got is None and full:  # still usable: a request on the re-attached pages frees cleanly
-        a.free(t(A, device))
-        s = R.free(s, A)
-        assert a.snapshot() == R.snapshot(s)
+        a.free(t(req_a, device))
+        s = sa.free(s, req_a)
+        assert a.snapshot() == sa.snapshot(s)
 
 
 def _outcome(call: Callable[[], object]) -> tuple[str, str] | None:
@@ -512,35 +514,37 @@ def _outcome(call: Callable[[], object]) -> tuple[str, str] | None:
 def test_negative_swa_slot_is_rejected_as_by_the_reference() -> None:
     """M1: a mapping entry is 0 or a real SWA slot; -5 is neither (both layers reject it, same names)."""
     a = SWATokenToKVPoolAllocator(CFG, device="cpu")
-    A, _, _ = _three_requests(a)
+    req_a, _, _ = _three_requests(a)
     with pytest.raises(InvalidOperation) as e:
-        a.set_full_to_swa_mapping(t([A[0]]), t([-5]))
+        a.set_full_to_swa_mapping(t([req_a[0]]), t([-5]))
     with pytest.raises(InvalidOperation) as e_ref:
-        R.set_full_to_swa_mapping(_state_after([("A", 3, -1), ("B", 2, -1), ("C", 1, -1)]), [A[0]], [-5])
+        sa.set_full_to_swa_mapping(_state_after([("A", 3, -1), ("B", 2, -1), ("C", 1, -1)]), [req_a[0]], [-5])
     assert (e.value.op, e.value.argument) == (e_ref.value.op, e_ref.value.argument) == (
         "set_full_to_swa_mapping", "swa_indices")
+    assert str(e.value) == str(e_ref.value) == (
+        "set_full_to_swa_mapping: swa_indices: -5 is neither 0 nor an SWA slot in [2, 10)")
 
 
 def test_register_mapping_matches_the_reference(device: str) -> None:
     a = SWATokenToKVPoolAllocator(CFG, device=device)
-    A, _, _ = _three_requests(a)
-    a.forward(t(A, device), {0: rows(1, 3, device)}, {0: rows(2, 3, device)})
+    req_a, _, _ = _three_requests(a)
+    a.forward(t(req_a, device), {0: rows(1, 3, device)}, {0: rows(2, 3, device)})
     s = _state_after([("A", 3, -1), ("B", 2, -1), ("C", 1, -1)])
-    backup, r_backup = a.backup_state(), R.backup_state(s)
+    backup, r_backup = a.backup_state(), sa.backup_state(s)
     old, pool = a.full_to_swa_index_mapping, a.get_kvcache()
     kv = (pool.full_kv.clone(), pool.swa_kv.clone())
     a.register_mapping()
     s = lc.register_mapping(lc.initial_system(CFG).model_copy(update={"allocator": s})).allocator
-    assert a.snapshot() == R.snapshot(s)
+    assert a.snapshot() == sa.snapshot(s)
     assert a.full_to_swa_index_mapping is not old and pool.full_to_swa_index_mapping is a.full_to_swa_index_mapping
     assert a.get_kvcache() is pool and torch.equal(pool.full_kv, kv[0]) and torch.equal(pool.swa_kv, kv[1])
     with pytest.raises(InvalidOperation) as e:
         a.restore_state(backup)
     with pytest.raises(InvalidOperation) as r:
-        R.restore_state(s, r_backup)
+        sa.restore_state(s, r_backup)
     assert (e.value.op, e.value.argument) == (r.value.op, r.value.argument) == ("restore_state", "state")
-    s, want = R.alloc_extend(s, [0], [3], [-1], 3)
-    assert extend(a, 0, 3, t([-1], device)).tolist() == list(want) and a.snapshot() == R.snapshot(s)
+    s, want = sa.alloc_extend(s, [0], [3], [-1], 3)
+    assert extend(a, 0, 3, t([-1], device)).tolist() == list(want) and a.snapshot() == sa.snapshot(s)
     a.check_invariants()
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference import InvalidOperation, InvariantViolation, OutOfMemory, PoolConfig, arith
-from kvproof.reference import swa_allocator as R
+from kvproof.reference import swa_allocator as sa
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.reference.errors import PoolError
 
 P4 = PoolConfig(size_full=48, size_swa=48, page_size=4, sliding_window_size=6)
@@ -47,20 +47,20 @@ def test_default_device_follows_cuda() -> None:
 
 def test_s1_extend_parts_at_p4(device: str) -> None:
     """Parts 1/2/3 of a batched extend at P=4 (§1.3), page by page from the front of the free list."""
-    a, s = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4)
+    a, s = SWATokenToKVPoolAllocator(P4, device=device), sa.initial_state(P4)
     assert extend(a, [0], [6], [-1]) == [4, 5, 6, 7, 8, 9]  # pages 1, 2
     assert extend(a, [0], [2], [-1]) == [12, 13]  # page 3
-    s, _ = R.alloc_extend(s, [0], [6], [-1], 6)
-    s, _ = R.alloc_extend(s, [0], [2], [-1], 2)
+    s, _ = sa.alloc_extend(s, [0], [6], [-1], 6)
+    s, _ = sa.alloc_extend(s, [0], [2], [-1], 2)
     # A 6->13: part 1 = 10, 11; part 2 = page 4; part 3 = page 5 offset 0
     assert arith.extend_parts(6, 13, 4) == (2, 4, 1)
     # B 2->3: part 1 only; C 0->5: page 6 whole, page 7 offset 0
     pre, seq, last = [6, 2, 0], [13, 3, 5], [9, 13, -1]
     out = extend(a, pre, seq, last)
     assert out == [10, 11, 16, 17, 18, 19, 20, 14, 24, 25, 26, 27, 28]
-    s, ref_out = R.alloc_extend(s, pre, seq, last, 13)
+    s, ref_out = sa.alloc_extend(s, pre, seq, last, 13)
     assert tuple(out) == ref_out
-    assert a.snapshot() == R.snapshot(s)
+    assert a.snapshot() == sa.snapshot(s)
     assert a.snapshot().full.free_pages == tuple(range(8, 13))
     a.check_invariants()
 
@@ -117,145 +117,153 @@ def test_tail_len_zero_still_clears(device: str) -> None:
 
 def test_stale_entries_on_never_handed_out_slots_are_not_released(device: str) -> None:
     """free_swa releases only SWA pages of live slots; M is zeroed on the whole touched page."""
-    a, s, d = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4), device
-    backup, b_ref = a.backup_state(), R.backup_state(s)
+    a, s, d = SWATokenToKVPoolAllocator(P4, device=device), sa.initial_state(P4), device
+    backup, b_ref = a.backup_state(), sa.backup_state(s)
     extend(a, [0], [4], [-1])
-    s, _ = R.alloc_extend(s, [0], [4], [-1], 4)
+    s, _ = sa.alloc_extend(s, [0], [4], [-1], 4)
     a.restore_state(backup)
-    s = R.restore_state(s, b_ref)
+    s = sa.restore_state(s, b_ref)
     assert extend(a, [0], [1], [-1]) == [4]  # page 1 again: slots 5..7 keep stale M 5..7
-    s, _ = R.alloc_extend(s, [0], [1], [-1], 1)
+    s, _ = sa.alloc_extend(s, [0], [1], [-1], 1)
     assert a.full_to_swa_index_mapping[4:8].tolist() == [4, 5, 6, 7]
     a.free_swa(t([4], d))
-    s = R.free_swa(s, [4])
-    assert a.snapshot() == R.snapshot(s)
+    s = sa.free_swa(s, [4])
+    assert a.snapshot() == sa.snapshot(s)
     assert a.snapshot().swa.free_pages == tuple(range(1, 13))  # page 1 once, no duplicate
     assert a.full_to_swa_index_mapping[4:8].tolist() == [0, 0, 0, 0]
 
 
 def test_restore_of_a_newer_backup_after_a_restore_is_rejected(device: str) -> None:
     """Backup B1, allocate, backup B2, restore B1: B2 is stale (restoring it would resurrect pages)."""
-    a, s = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4)
-    b1, r1 = a.backup_state(), R.backup_state(s)
+    a, s = SWATokenToKVPoolAllocator(P4, device=device), sa.initial_state(P4)
+    b1, r1 = a.backup_state(), sa.backup_state(s)
     extend(a, [0], [4], [-1])
-    s, _ = R.alloc_extend(s, [0], [4], [-1], 4)
-    b2, r2 = a.backup_state(), R.backup_state(s)
+    s, _ = sa.alloc_extend(s, [0], [4], [-1], 4)
+    b2, r2 = a.backup_state(), sa.backup_state(s)
     a.restore_state(b1)
-    s = R.restore_state(s, r1)
+    s = sa.restore_state(s, r1)
     before = a.snapshot()
     with pytest.raises(InvalidOperation) as e:
         a.restore_state(b2)
     with pytest.raises(InvalidOperation) as e_ref:
-        R.restore_state(s, r2)
+        sa.restore_state(s, r2)
     assert (e.value.op, e.value.argument) == (e_ref.value.op, e_ref.value.argument) == ("restore_state", "state")
-    assert a.snapshot() == before == R.snapshot(s)
+    assert a.snapshot() == before == sa.snapshot(s)
 
 
 def test_empty_free_does_not_invalidate_a_backup(device: str) -> None:
     """Upstream treats an empty free as a no-op; it releases nothing, so a backup stays valid."""
-    a, s, d = SWATokenToKVPoolAllocator(P4, device=device), R.initial_state(P4), device
-    b, r = a.backup_state(), R.backup_state(s)
+    a, s, d = SWATokenToKVPoolAllocator(P4, device=device), sa.initial_state(P4), device
+    b, r = a.backup_state(), sa.backup_state(s)
     empty = torch.empty(0, dtype=torch.int64, device=d)
     a.free(empty), a.free_swa(empty), a.free_full(empty)
-    s = R.free_full(R.free_swa(R.free(s, []), []), [])
+    s = sa.free_full(sa.free_swa(sa.free(s, []), []), [])
     a.restore_state(b)
-    s = R.restore_state(s, r)
-    assert a.snapshot() == R.snapshot(s)
+    s = sa.restore_state(s, r)
+    assert a.snapshot() == sa.snapshot(s)
 
 
 # ---------------------------------------------------------------- misuse leaves everything unchanged
 
 
-def build(device: str) -> tuple[SWATokenToKVPoolAllocator, R.SWAAllocatorState, dict[str, Any]]:
+def build(device: str) -> tuple[SWATokenToKVPoolAllocator, sa.SWAAllocatorState, dict[str, Any]]:
     """A: positions 0..5 at slots 4..9 (page 2 has 2 live slots). B: 0..2 at 12..14, SWA released.
 
     Full pool 8 pages, SWA pool 4 pages (2 free after B's SWA release). KV written on A.
     """
     cfg = PoolConfig(size_full=32, size_swa=16, page_size=4, sliding_window_size=4)
-    a, s, d = SWATokenToKVPoolAllocator(cfg, device=device), R.initial_state(cfg), device
+    a, s, d = SWATokenToKVPoolAllocator(cfg, device=device), sa.initial_state(cfg), device
     extend(a, [0], [6], [-1])
     extend(a, [0], [3], [-1])
-    s, _ = R.alloc_extend(s, [0], [6], [-1], 6)
-    s, _ = R.alloc_extend(s, [0], [3], [-1], 3)
+    s, _ = sa.alloc_extend(s, [0], [6], [-1], 6)
+    s, _ = sa.alloc_extend(s, [0], [3], [-1], 3)
     k = torch.arange(12, dtype=torch.float32).reshape(6, 1, 2)
     for layer in (0, 1):
         a.get_kvcache().set_kv_buffer(layer, t(range(4, 10), d), k.to(d), (k + 100).to(d))
-        s = R.set_kv_buffer(s, layer, range(4, 10), k.reshape(6, 2).tolist(), (k + 100).reshape(6, 2).tolist())
-    extra: dict[str, Any] = {"stale_backup": (a.backup_state(), R.backup_state(s))}
+        s = sa.set_kv_buffer(s, layer, range(4, 10), k.reshape(6, 2).tolist(), (k + 100).reshape(6, 2).tolist())
+    extra: dict[str, Any] = {"stale_backup": (a.backup_state(), sa.backup_state(s))}
     a.free_swa(t([12], d))
-    s = R.free_swa(s, [12])
-    extra["copy"] = (a.get_cpu_copy(t(range(4, 10), d)), R.get_cpu_copy(s, range(4, 10)))
+    s = sa.free_swa(s, [12])
+    extra["copy"] = (a.get_cpu_copy(t(range(4, 10), d)), sa.get_cpu_copy(s, range(4, 10)))
     return a, s, extra
 
 
 K1 = torch.zeros(1, 1, 2)
 MISUSE: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]] = {
     # name: (runtime call, reference call); both take (impl_or_state, device, extra)
-    "free_reserved_page": (lambda a, d, x: a.free(t([3], d)), lambda s, x: R.free(s, [3])),
-    "free_out_of_range": (lambda a, d, x: a.free(t([100], d)), lambda s, x: R.free(s, [100])),
-    "free_never_handed_out": (lambda a, d, x: a.free(t([10], d)), lambda s, x: R.free(s, [10])),
-    "double_free": (lambda a, d, x: a.free(t([20], d)), lambda s, x: R.free(s, [20])),
-    "free_duplicate": (lambda a, d, x: a.free(t([4, 4], d)), lambda s, x: R.free(s, [4, 4])),
-    "free_swa_negative": (lambda a, d, x: a.free_swa(t([-1], d)), lambda s, x: R.free_swa(s, [-1])),
-    "free_full_live_peer": (lambda a, d, x: a.free_full(t([4], d)), lambda s, x: R.free_full(s, [4])),
-    "alloc_unaligned": (lambda a, d, x: a.alloc(3), lambda s, x: R.alloc(s, 3)),
-    "alloc_negative": (lambda a, d, x: a.alloc(-4), lambda s, x: R.alloc(s, -4)),
+    "free_reserved_page": (lambda a, d, x: a.free(t([3], d)), lambda s, x: sa.free(s, [3])),
+    "free_out_of_range": (lambda a, d, x: a.free(t([100], d)), lambda s, x: sa.free(s, [100])),
+    "free_never_handed_out": (lambda a, d, x: a.free(t([10], d)), lambda s, x: sa.free(s, [10])),
+    "double_free": (lambda a, d, x: a.free(t([20], d)), lambda s, x: sa.free(s, [20])),
+    "free_duplicate": (lambda a, d, x: a.free(t([4, 4], d)), lambda s, x: sa.free(s, [4, 4])),
+    "free_swa_negative": (lambda a, d, x: a.free_swa(t([-1], d)), lambda s, x: sa.free_swa(s, [-1])),
+    "free_full_live_peer": (lambda a, d, x: a.free_full(t([4], d)), lambda s, x: sa.free_full(s, [4])),
+    "alloc_unaligned": (lambda a, d, x: a.alloc(3), lambda s, x: sa.alloc(s, 3)),
+    "alloc_negative": (lambda a, d, x: a.alloc(-4), lambda s, x: sa.alloc(s, -4)),
     "extend_lengths": (lambda a, d, x: a.alloc_extend(t([0], d), t([0]), t([1, 2], d), t([1, 2]), t([-1], d), 3),
-                       lambda s, x: R.alloc_extend(s, [0], [1, 2], [-1], 3)),
-    "extend_shrinks": (lambda a, d, x: extend(a, [6], [5], [9]), lambda s, x: R.alloc_extend(s, [6], [5], [9], -1)),
+                       lambda s, x: sa.alloc_extend(s, [0], [1, 2], [-1], 3)),
+    "extend_shrinks": (lambda a, d, x: extend(a, [6], [5], [9]), lambda s, x: sa.alloc_extend(s, [6], [5], [9], -1)),
     "extend_u2": (lambda a, d, x: a.alloc_extend(t([0], d), t([0]), t([4], d), t([4]), t([-1], d), 3),
-                  lambda s, x: R.alloc_extend(s, [0], [4], [-1], 3)),
-    "last_loc_without_prefix": (lambda a, d, x: extend(a, [0], [2], [9]), lambda s, x: R.alloc_extend(s, [0], [2], [9], 2)),
-    "no_last_loc_with_prefix": (lambda a, d, x: extend(a, [6], [7], [-1]), lambda s, x: R.alloc_extend(s, [6], [7], [-1], 1)),
-    "last_loc_misaligned": (lambda a, d, x: extend(a, [5], [7], [9]), lambda s, x: R.alloc_extend(s, [5], [7], [9], 2)),
-    "last_loc_not_last_live": (lambda a, d, x: extend(a, [5], [7], [8]), lambda s, x: R.alloc_extend(s, [5], [7], [8], 2)),
-    "last_loc_in_free_page": (lambda a, d, x: extend(a, [2], [3], [21]), lambda s, x: R.alloc_extend(s, [2], [3], [21], 1)),
-    "continue_released_swa_m5": (lambda a, d, x: extend(a, [3], [4], [14]), lambda s, x: R.alloc_extend(s, [3], [4], [14], 1)),
+                  lambda s, x: sa.alloc_extend(s, [0], [4], [-1], 3)),
+    "last_loc_without_prefix": (lambda a, d, x: extend(a, [0], [2], [9]),
+                                lambda s, x: sa.alloc_extend(s, [0], [2], [9], 2)),
+    "no_last_loc_with_prefix": (lambda a, d, x: extend(a, [6], [7], [-1]),
+                                lambda s, x: sa.alloc_extend(s, [6], [7], [-1], 1)),
+    "last_loc_misaligned": (lambda a, d, x: extend(a, [5], [7], [9]),
+                            lambda s, x: sa.alloc_extend(s, [5], [7], [9], 2)),
+    "last_loc_not_last_live": (lambda a, d, x: extend(a, [5], [7], [8]),
+                               lambda s, x: sa.alloc_extend(s, [5], [7], [8], 2)),
+    "last_loc_in_free_page": (lambda a, d, x: extend(a, [2], [3], [21]),
+                              lambda s, x: sa.alloc_extend(s, [2], [3], [21], 1)),
+    "continue_released_swa_m5": (lambda a, d, x: extend(a, [3], [4], [14]),
+                                 lambda s, x: sa.alloc_extend(s, [3], [4], [14], 1)),
     "two_requests_one_page": (lambda a, d, x: extend(a, [6, 6], [7, 7], [9, 9]),
-                              lambda s, x: R.alloc_extend(s, [6, 6], [7, 7], [9, 9], 2)),
+                              lambda s, x: sa.alloc_extend(s, [6, 6], [7, 7], [9, 9], 2)),
     "decode_seq_zero": (lambda a, d, x: a.alloc_decode(t([0], d), t([0]), t([-1], d)),
-                        lambda s, x: R.alloc_decode(s, [0], [-1])),
+                        lambda s, x: sa.alloc_decode(s, [0], [-1])),
     "decode_misaligned": (lambda a, d, x: a.alloc_decode(t([8], d), t([8]), t([8], d)),
-                          lambda s, x: R.alloc_decode(s, [8], [8])),
+                          lambda s, x: sa.alloc_decode(s, [8], [8])),
     "tail_two_requests": (lambda a, d, x: a.alloc_extend_swa_tail(t([0, 0], d), t([0, 0]), t([4, 4], d), t([4, 4]),
                                                                   t([-1, -1], d), 8, 4),
-                          lambda s, x: R.alloc_extend_swa_tail(s, [0, 0], [4, 4], [-1, -1], 8, 4)),
+                          lambda s, x: sa.alloc_extend_swa_tail(s, [0, 0], [4, 4], [-1, -1], 8, 4)),
     "tail_u1": (lambda a, d, x: a.alloc_extend_swa_tail(t([0], d), t([0]), t([6], d), t([6]), t([-1], d), 6, 3),
-                lambda s, x: R.alloc_extend_swa_tail(s, [0], [6], [-1], 6, 3)),
+                lambda s, x: sa.alloc_extend_swa_tail(s, [0], [6], [-1], 6, 3)),
     "tail_too_long": (lambda a, d, x: a.alloc_extend_swa_tail(t([0], d), t([0]), t([4], d), t([4]), t([-1], d), 4, 8),
-                      lambda s, x: R.alloc_extend_swa_tail(s, [0], [4], [-1], 4, 8)),
+                      lambda s, x: sa.alloc_extend_swa_tail(s, [0], [4], [-1], 4, 8)),
     "restore_after_release": (lambda a, d, x: a.restore_state(x["stale_backup"][0]),
-                              lambda s, x: R.restore_state(s, x["stale_backup"][1])),
+                              lambda s, x: sa.restore_state(s, x["stale_backup"][1])),
     "restore_garbage": (lambda a, d, x: a.restore_state("backup"), None),
     "load_length_mismatch": (lambda a, d, x: a.load_cpu_copy(x["copy"][0], t([4, 5, 6], d)),
-                             lambda s, x: R.load_cpu_copy(s, x["copy"][1], [4, 5, 6])),
+                             lambda s, x: sa.load_cpu_copy(s, x["copy"][1], [4, 5, 6])),
     "load_into_dead_slots": (lambda a, d, x: a.load_cpu_copy(x["copy"][0], t([4, 5, 6, 7, 8, 10], d)),
-                             lambda s, x: R.load_cpu_copy(s, x["copy"][1], [4, 5, 6, 7, 8, 10])),
+                             lambda s, x: sa.load_cpu_copy(s, x["copy"][1], [4, 5, 6, 7, 8, 10])),
     "load_duplicates": (lambda a, d, x: a.load_cpu_copy(x["copy"][0], t([4, 5, 6, 7, 8, 8], d)),
-                        lambda s, x: R.load_cpu_copy(s, x["copy"][1], [4, 5, 6, 7, 8, 8])),
-    "copy_freed_slot": (lambda a, d, x: a.get_cpu_copy(t([20], d)), lambda s, x: R.get_cpu_copy(s, [20])),
+                        lambda s, x: sa.load_cpu_copy(s, x["copy"][1], [4, 5, 6, 7, 8, 8])),
+    "copy_freed_slot": (lambda a, d, x: a.get_cpu_copy(t([20], d)), lambda s, x: sa.get_cpu_copy(s, [20])),
     "set_kv_bad_layer": (lambda a, d, x: a.get_kvcache().set_kv_buffer(9, t([4], d), K1.to(d), K1.to(d)),
-                         lambda s, x: R.set_kv_buffer(s, 9, [4], [[0, 0]], [[0, 0]])),
+                         lambda s, x: sa.set_kv_buffer(s, 9, [4], [[0, 0]], [[0, 0]])),
     "set_kv_row_count": (lambda a, d, x: a.get_kvcache().set_kv_buffer(0, t([4, 5], d), K1.to(d), K1.to(d)),
-                         lambda s, x: R.set_kv_buffer(s, 0, [4, 5], [[0, 0]], [[0, 0]])),
+                         lambda s, x: sa.set_kv_buffer(s, 0, [4, 5], [[0, 0]], [[0, 0]])),
     "set_kv_row_width": (lambda a, d, x: a.get_kvcache().set_kv_buffer(0, t([4], d), torch.zeros(1, 1, 3).to(d),
                                                                        torch.zeros(1, 1, 3).to(d)),
-                         lambda s, x: R.set_kv_buffer(s, 0, [4], [[0, 0, 0]], [[0, 0, 0]])),
+                         lambda s, x: sa.set_kv_buffer(s, 0, [4], [[0, 0, 0]], [[0, 0, 0]])),
     "set_kv_dead_slot": (lambda a, d, x: a.get_kvcache().set_kv_buffer(0, t([10], d), K1.to(d), K1.to(d)),
-                         lambda s, x: R.set_kv_buffer(s, 0, [10], [[0, 0]], [[0, 0]])),
+                         lambda s, x: sa.set_kv_buffer(s, 0, [10], [[0, 0]], [[0, 0]])),
     "set_kv_duplicate": (lambda a, d, x: a.get_kvcache().set_kv_buffer(0, t([4, 4], d), K1.repeat(2, 1, 1).to(d),
                                                                        K1.repeat(2, 1, 1).to(d)),
-                         lambda s, x: R.set_kv_buffer(s, 0, [4, 4], [[0, 0]] * 2, [[0, 0]] * 2)),
+                         lambda s, x: sa.set_kv_buffer(s, 0, [4, 4], [[0, 0]] * 2, [[0, 0]] * 2)),
     "translate_out_of_range": (lambda a, d, x: a.translate_loc_from_full_to_swa(t([36], d)),
-                               lambda s, x: R.translate_loc_from_full_to_swa(s, [36])),
-    "oom_extend_swa": (lambda a, d, x: extend(a, [0], [12], [-1]), lambda s, x: R.alloc_extend(s, [0], [12], [-1], 12)),
+                               lambda s, x: sa.translate_loc_from_full_to_swa(s, [36])),
+    "oom_extend_swa": (lambda a, d, x: extend(a, [0], [12], [-1]),
+                       lambda s, x: sa.alloc_extend(s, [0], [12], [-1], 12)),
     "oom_extend_full": (lambda a, d, x: extend(a, [0, 0], [8, 20], [-1, -1]),
-                        lambda s, x: R.alloc_extend(s, [0, 0], [8, 20], [-1, -1], 28)),
+                        lambda s, x: sa.alloc_extend(s, [0, 0], [8, 20], [-1, -1], 28)),
     "oom_decode_swa_atomic": (lambda a, d, x: a.alloc_decode(t([1, 1, 1], d), t([1, 1, 1]), t([-1, -1, -1], d)),
-                              lambda s, x: R.alloc_decode(s, [1, 1, 1], [-1, -1, -1])),
-    "oom_tail_swa": (lambda a, d, x: a.alloc_extend_swa_tail(t([0], d), t([0]), t([12], d), t([12]), t([-1], d), 12, 12),
-                     lambda s, x: R.alloc_extend_swa_tail(s, [0], [12], [-1], 12, 12)),
-    "oom_alloc_full": (lambda a, d, x: a.alloc(40), lambda s, x: R.alloc(s, 40)),
+                              lambda s, x: sa.alloc_decode(s, [1, 1, 1], [-1, -1, -1])),
+    "oom_tail_swa": (lambda a, d, x: a.alloc_extend_swa_tail(t([0], d), t([0]), t([12], d), t([12]), t([-1], d), 12,
+                                                             12),
+                     lambda s, x: sa.alloc_extend_swa_tail(s, [0], [12], [-1], 12, 12)),
+    "oom_alloc_full": (lambda a, d, x: a.alloc(40), lambda s, x: sa.alloc(s, 40)),
 }
 
 
@@ -294,7 +302,8 @@ def test_check_invariants_catches_corruption(device: str) -> None:
     a = SWATokenToKVPoolAllocator(P4, device=device)
     extend(a, [0], [6], [-1])
     a.check_invariants()
-    a.full_attn_allocator.free_pages = torch.cat((a.full_attn_allocator.free_pages[:1], a.full_attn_allocator.free_pages))
+    free = a.full_attn_allocator.free_pages
+    a.full_attn_allocator.free_pages = torch.cat((free[:1], free))
     with pytest.raises(InvariantViolation, match=r"\[G1\]"):
         a.check_invariants()
     b = SWATokenToKVPoolAllocator(P4, device=device)

@@ -5,7 +5,7 @@ import pytest
 from kvproof.reference import decode_prealloc as dp
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import KVGeometry, PoolConfig
-from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.errors import InvalidOperation, OutOfMemory
 
 S2_POOL = PoolConfig(size_full=64 * 20, size_swa=64 * 5, page_size=64, sliding_window_size=128)
 
@@ -22,7 +22,12 @@ def test_s2_upstream_admits_then_crashes() -> None:
     assert result.rids == (1,)
     assert result.crash is not None and result.crash.rid == 2
     assert result.crash.budgets == (1024, 184) and result.crash.required == (200, 136)
-    assert [c.outcome for c in result.calls] == ["ok", "OutOfMemory"]
+    assert [c.ok for c in result.calls] == [True, False]
+    # the recorded outcome is the reference's own error: op, pool and page counts, as the harness replays it
+    err = result.calls[1].error
+    assert isinstance(err, OutOfMemory) and result.calls[0].error is None
+    assert (err.op, err.pool, err.pages_needed, err.pages_free) == ("alloc_extend_swa_tail", "swa", 3, 2)
+    assert str(err) == result.crash.message == "alloc_extend_swa_tail: swa pool needs 3 page(s), 2 free"
 
 
 def test_s2_corrected_stops_at_the_gate() -> None:

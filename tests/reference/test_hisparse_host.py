@@ -3,7 +3,7 @@
 import pytest
 
 from kvproof.reference import hisparse_host as hh
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
+from kvproof.reference.errors import ConfigError, InvalidOperation, InvariantViolation, OutOfMemory
 
 S7 = hh.HostPoolConfig(page_size=64, num_pages=40, max_req_slots=4, max_context_len=2048)
 
@@ -121,13 +121,16 @@ def test_pre_23606_host_pages_of_one_break_transfer_pages() -> None:
 
 
 def test_paged_coordinator_needs_host_page_equal_device_page() -> None:
-    with pytest.raises(ValueError, match="device_page_size"):
+    with pytest.raises(ConfigError, match=r"^HostPoolConfig\.device_page_size: coordinator 'paged' uses") as e:
         hh.HostPoolConfig(page_size=1, num_pages=8, max_req_slots=1, max_context_len=8, device_page_size=64)
+    assert (e.value.model, e.value.field) == ("HostPoolConfig", "device_page_size")
 
 
 def test_requested_size_rounds_up_plus_one_page() -> None:
     """§4.2: page_num = size // P_h + 1."""
     assert hh.HostPoolConfig.from_requested_size(1000, 64, max_req_slots=1, max_context_len=8).num_pages == 16
+    with pytest.raises(ConfigError, match=r"^HostPoolConfig\.max_req_slots: "):
+        hh.HostPoolConfig.from_requested_size(1000, 64, max_req_slots=0, max_context_len=8)
 
 
 def test_invariant_checker_catches_broken_snapshots() -> None:
@@ -136,7 +139,7 @@ def test_invariant_checker_catches_broken_snapshots() -> None:
     hh.check_host_snapshot(good)
     cases = {
         "H0": good.model_copy(update={"free_slots": good.free_slots[1:] + good.free_slots[:1]}),
-        "H1": good.model_copy(update={"allocated_len": (65,) + good.allocated_len[1:]}),
+        "H1": good.model_copy(update={"allocated_len": (65, *good.allocated_len[1:])}),
         "H2": good.model_copy(update={"free_slots": good.free_slots[64:]}),
     }
     for invariant, snap in cases.items():

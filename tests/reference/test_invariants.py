@@ -23,7 +23,7 @@ def with_mapping(st: sa.SWAAllocatorState, **entries: int) -> sa.SWAAllocatorSta
 
 BROKEN = {
     "G1 page 0 free": ("G1", lambda st: st.model_copy(update={"full": st.full.model_copy(
-        update={"free_pages": (0,) + st.full.free_pages})})),
+        update={"free_pages": (0, *st.full.free_pages)})})),
     "G1 duplicate": ("G1", lambda st: st.model_copy(update={"swa": st.swa.model_copy(
         update={"free_pages": st.swa.free_pages + st.swa.free_pages[:1]})})),
     "G3 leak": ("G3", lambda st: st.model_copy(update={"full": st.full.model_copy(

@@ -13,6 +13,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from kvproof.reference import loc_cache as lc
+from kvproof.reference import swa_allocator as sa
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, PoolError
 
@@ -32,14 +33,14 @@ def minus_one(sys: lc.LocCacheSystem, base: int) -> tuple[lc.LocCacheSystem, lc.
     return storage(sys, [-1], base)
 
 
-def w_alloc(sys):  # type: ignore[no-untyped-def]
+def w_alloc(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v = storage(sys, [2])
     sys, _ = lc.translate_loc_from_full_to_swa(sys, v)  # slot 2 is free: M = 0
     sys, _ = lc.alloc(sys, 2)  # hands out page 1: M[2] = 2
     return lc.translate_loc_from_full_to_swa(sys, v)[0]
 
 
-def _two_requests(sys):  # type: ignore[no-untyped-def]
+def _two_requests(sys: lc.LocCacheSystem) -> tuple[lc.LocCacheSystem, lc.IndexView]:
     sys, l0 = minus_one(sys, 2048)
     sys, _ = lc.alloc_extend(sys, [0], [1], l0, 1, owners=[1])  # request 1 at slot 2
     sys, _ = lc.alloc_extend(sys, [0], [1], l0, 1, owners=[2])  # request 2 at slot 4
@@ -47,28 +48,28 @@ def _two_requests(sys):  # type: ignore[no-untyped-def]
     return lc.forward(sys, f, ROWS), f  # caches key(f) -> [2]
 
 
-def w_alloc_extend(sys):  # type: ignore[no-untyped-def]
+def w_alloc_extend(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, f = _two_requests(sys)
     sys = lc.free_storage(sys, f.storage)  # batch preparation: out_cache_loc freed,
     sys, last = storage(sys, [4])  # and its address reused for request 2's last_loc
     return lc.alloc_extend(sys, [1], [2], last, 1, owners=[2])[0]
 
 
-def w_alloc_decode(sys):  # type: ignore[no-untyped-def]
+def w_alloc_decode(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, f = _two_requests(sys)
     sys = lc.free_storage(sys, f.storage)
     sys, last = storage(sys, [4])
     return lc.alloc_decode(sys, [2], last, owners=[2])[0]
 
 
-def w_tail(sys):  # type: ignore[no-untyped-def]
+def w_tail(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v = storage(sys, [2])
     sys, _ = lc.translate_loc_from_full_to_swa(sys, v)
     sys, _ = lc.alloc_extend_swa_tail(sys, [0], [2], [-1], 2, 2)
     return lc.translate_loc_from_full_to_swa(sys, v)[0]
 
 
-def _mapped(sys):  # type: ignore[no-untyped-def]
+def _mapped(sys: lc.LocCacheSystem) -> tuple[lc.LocCacheSystem, lc.IndexView, tuple[int, ...]]:
     sys, l0 = minus_one(sys, 2048)
     sys, slots = lc.alloc_extend(sys, [0], [4], l0, 4)  # slots 2..5 -> SWA 2..5
     sys, v = storage(sys, [2])
@@ -76,36 +77,36 @@ def _mapped(sys):  # type: ignore[no-untyped-def]
     return sys, v, slots
 
 
-def w_free_swa(sys):  # type: ignore[no-untyped-def]
+def w_free_swa(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v, slots = _mapped(sys)
     sys = lc.free_swa(sys, list(slots[:2]))
     return lc.translate_loc_from_full_to_swa(sys, v)[0]
 
 
-def w_set_mapping(sys):  # type: ignore[no-untyped-def]
+def w_set_mapping(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v, slots = _mapped(sys)
     sys = lc.set_full_to_swa_mapping(sys, list(slots), [4, 5, 2, 3])  # swap the request's two SWA pages
     return lc.translate_loc_from_full_to_swa(sys, v)[0]
 
 
-def w_clear(sys):  # type: ignore[no-untyped-def]
+def w_clear(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v, _ = _mapped(sys)
     return lc.translate_loc_from_full_to_swa(lc.clear(sys), v)[0]
 
 
-def w_register(sys):  # type: ignore[no-untyped-def]
+def w_register(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, v, _ = _mapped(sys)
     return lc.translate_loc_from_full_to_swa(lc.register_mapping(sys), v)[0]
 
 
-def w_forward(sys):  # type: ignore[no-untyped-def]
+def w_forward(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, f = _two_requests(sys)
     sys = lc.free_storage(sys, f.storage)
     sys, f2 = storage(sys, [4])  # the next batch's out_cache_loc at the same address
     return lc.forward(sys, f2, ROWS)
 
 
-def w_run_once(sys):  # type: ignore[no-untyped-def]
+def w_run_once(sys: lc.LocCacheSystem) -> lc.LocCacheSystem:
     sys, static = storage(sys, [0])  # padding while capturing
     sys = lc.capture(sys, static)
     sys, l0 = minus_one(sys, 2048)
@@ -114,7 +115,7 @@ def w_run_once(sys):  # type: ignore[no-untyped-def]
     return lc.replay(sys, ROWS)
 
 
-WITNESSES: dict[str, tuple[lc.LocCachePolicy, Callable]] = {
+WITNESSES: dict[str, tuple[lc.LocCachePolicy, Callable[[lc.LocCacheSystem], lc.LocCacheSystem]]] = {
     "alloc": (lc.LocCachePolicy().without(P.ALLOC), w_alloc),
     "alloc_extend": (lc.LocCachePolicy().without(P.ALLOC_EXTEND), w_alloc_extend),
     "alloc_decode": (lc.LocCachePolicy().without(P.ALLOC_DECODE), w_alloc_decode),
@@ -142,10 +143,10 @@ def test_point_is_needed(point: str) -> None:
 
 
 def test_s5_storage_base_key_collides() -> None:
-    def trace(sys):  # type: ignore[no-untyped-def]
+    def trace(sys: lc.LocCacheSystem) -> tuple[lc.LocCacheSystem, tuple[int, ...]]:
         sys, _ = lc.alloc(sys, 10)  # slots 1..10 -> SWA 1..10
         sys, sid = lc.new_storage(sys, B, [5, 6, 7, 8, 9, 10])
-        sys, low = lc.translate_loc_from_full_to_swa(sys, lc.make_view(sys, sid, 0, 3))
+        sys, _low = lc.translate_loc_from_full_to_swa(sys, lc.make_view(sys, sid, 0, 3))
         sys, high = lc.translate_loc_from_full_to_swa(sys, lc.make_view(sys, sid, 3, 3))
         return sys, high
 
@@ -168,7 +169,7 @@ def test_s5_address_reuse_without_invalidation_is_stale_even_upstream() -> None:
 
 
 def test_cache_shared_across_pools_is_stale() -> None:
-    def trace(sys):  # type: ignore[no-untyped-def]
+    def trace(sys: lc.LocCacheSystem) -> tuple[lc.LocCacheSystem, tuple[int, ...]]:
         sys, _ = lc.alloc(sys, 4)
         sys, v = storage(sys, [1, 2])
         sys, _ = lc.translate_loc_from_full_to_swa(sys, v, pool=0)
@@ -209,7 +210,7 @@ def test_stale_translation_corrupts_kv_of_another_request() -> None:
         (lambda s: lc.translate_loc_from_full_to_swa(*storage(s, [99])), "loc"),
     ],
 )
-def test_memory_misuse_is_typed(call, argument: str) -> None:
+def test_memory_misuse_is_typed(call: Callable[[lc.LocCacheSystem], object], argument: str) -> None:
     with pytest.raises(InvalidOperation) as info:
         call(lc.initial_system(CFG))
     assert info.value.argument == argument
@@ -219,13 +220,13 @@ def test_memory_misuse_is_typed(call, argument: str) -> None:
 
 
 @st.composite
-def quiet_traces(draw, policy: lc.LocCachePolicy | None = None):  # type: ignore[no-untyped-def]
+def quiet_traces(draw: st.DrawFn, policy: lc.LocCachePolicy | None = None) -> lc.LocCacheSystem:
     """Random E1-respecting runs: allocations, frees, scheduler translations, forwards with address reuse."""
     sys, base = lc.initial_system(CFG, policy), 4096
     sys, l0 = minus_one(sys, 64)
     views: list[lc.IndexView] = []
     for _ in range(draw(st.integers(1, 25))):
-        live = [f for f in range(2, 18) if lc.sa.is_live(sys.allocator, f)]
+        live = [f for f in range(2, 18) if sa.is_live(sys.allocator, f)]
         kind = draw(st.sampled_from(["alloc_extend", "free_swa", "translate", "view", "forward", "clear"]))
         try:
             if kind == "alloc_extend":
@@ -242,7 +243,8 @@ def quiet_traces(draw, policy: lc.LocCachePolicy | None = None):  # type: ignore
             elif kind == "forward" and live:
                 slot = draw(st.sampled_from(live))
                 alive = [v for v in views if sys.memory.storages[v.storage].alive and v.numel == 1]
-                if alive and draw(st.booleans()):  # batch preparation reuses an old out_cache_loc address
+                reuse: bool = bool(alive) and draw(st.booleans())
+                if reuse:  # batch preparation reuses an old out_cache_loc address
                     old = draw(st.sampled_from(alive))
                     sys = lc.free_storage(sys, old.storage)
                     sys, f = storage(sys, [slot], sys.memory.storages[old.storage].base)
