@@ -54,7 +54,8 @@ def _bad_input(console: Console, err: Exception) -> None:
     sys.exit(2)
 
 
-PROFILE = click.option("--profile", default="ci", show_default=True, type=click.Choice(["ci", "nightly", "dev", "smoke"]),
+PROFILE = click.option("--profile", default="ci", show_default=True,
+                       type=click.Choice(["ci", "nightly", "dev", "smoke"]),
                        help="Hypothesis profile (kvproof.conformance.profiles).")
 CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
                       help="Run only this config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
@@ -136,7 +137,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
             junit_xml: str | None, op_timeout: float, suite_options: dict[str, str]) -> None:
     """Run the lockstep conformance suites, one row per component and pool config."""
-    from kvproof.cli.conform import counts, conform_table, print_reports
+    from kvproof.cli.conform import conform_table, counts, print_reports
     from kvproof.conformance.plan import load_impls, plan, run_plan
     from kvproof.conformance.report import load_selection, write_json, write_junit
 

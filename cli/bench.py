@@ -207,7 +207,8 @@ def _sglang_rows(rows: dict[str, str], quick: bool) -> str:
     from kvproof.conformance.adapters.sglang import sglang_available
 
     if not sglang_available():
-        return "SGLang not installed here: the side-by-side rows are not measured (make sglang; .venv-sglang/bin/kvproof bench)"
+        return ("SGLang not installed here: the side-by-side rows are not measured "
+                "(make sglang; .venv-sglang/bin/kvproof bench)")
     from kvproof.conformance.adapters.bench_sglang import side_by_side
 
     for r in side_by_side(page_sizes=(1, 4), ops=2000 if quick else 10_000, repeat=1 if quick else 3):

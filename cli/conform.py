@@ -45,7 +45,8 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
                       f"{', '.join(rules)}")
     for r in reports:
         if r.never_run:
-            console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {', '.join(r.never_run)}[/]")
+            never = ", ".join(r.never_run)
+            console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {never}[/]")
         if not r.passed:
             console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)

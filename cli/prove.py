@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rich.console import Console
 from rich.table import Table
-
-from collections.abc import Iterable
 
 from kvproof import spec
 from kvproof.reference.registry import Component, parse_components

@@ -30,15 +30,15 @@ from hypothesis import strategies as st
 
 from kvproof.conformance.check import Suite, SuiteOption
 from kvproof.conformance.compare import Divergence
-from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.lockstep import check_after_each_step, operation
 from kvproof.conformance.swa_allocator import Req, SWALockstep
 from kvproof.reference import decode_prealloc as dp
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
-from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.errors import InvariantViolation
 from kvproof.reference.registry import Component
 
 __all__ = ["DEFAULT_DECODE_CONFIG", "SUITE", "DecodePreallocMachine", "allocating_needs"]

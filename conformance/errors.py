@@ -17,8 +17,16 @@ Errors about pools and configurations (``OutOfMemory``, ``InvalidOperation``,
 
 from __future__ import annotations
 
-__all__ = ["ConformanceFailure", "HarnessBug", "HarnessError", "ImplSpecError", "LockstepFailure", "UsageError",
-           "Verdict", "VectorError"]
+__all__ = [
+    "ConformanceFailure",
+    "HarnessBug",
+    "HarnessError",
+    "ImplSpecError",
+    "LockstepFailure",
+    "UsageError",
+    "VectorError",
+    "Verdict",
+]
 
 
 class Verdict(Exception):

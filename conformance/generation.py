@@ -77,7 +77,7 @@ def forced_seed(seed: int | None, derandomized: bool) -> Iterator[int | str]:
         raise HarnessBug(f"hypothesis {hypothesis.__version__} has no global_force_seed; cannot seed the run")
     chosen = random.randrange(2**32) if seed is None else seed
     previous = hypothesis.core.global_force_seed
-    hypothesis.core.global_force_seed = chosen
+    hypothesis.core.global_force_seed = chosen  # type: ignore[assignment]  # declared None; the core reads an int
     try:
         yield chosen
     finally:

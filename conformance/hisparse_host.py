@@ -89,7 +89,8 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
 
     def _backupable(self) -> list[int]:
         """Running requests whose previous token fits the row (longer ones only finish)."""
-        return [r for r, req in sorted(self.running.items()) if ceil_p(req.seq_len - 1, self.p) <= self.config.row_width]
+        width = self.config.row_width
+        return [r for r, req in sorted(self.running.items()) if ceil_p(req.seq_len - 1, self.p) <= width]
 
     def _pre_change(self) -> bool:
         return self.config.coordinator is hh.Coordinator.PRE_23606
@@ -278,7 +279,8 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
         r = data.draw(st.sampled_from(sorted(self.running)), label="request_slot")
         width, p = self.config.row_width, self.p
         n = width // p * p + 1  # from 0: rounds up past the row
-        return MisuseCall(f"slot {r}, start_pos 0, num_tokens {n}", lambda: hh.alloc_paged_token_slots(self.ref, r, 0, n),
+        return MisuseCall(f"slot {r}, start_pos 0, num_tokens {n}",
+                          lambda: hh.alloc_paged_token_slots(self.ref, r, 0, n),
                           lambda: self.impl.alloc_paged_token_slots(r, 0, n))
 
     @misuse("alloc_paged_token_slots", "slot_out_of_range")

@@ -274,7 +274,8 @@ class LocCacheMachine(SWAAllocatorMachine):
         else:
             size = min(self.batch_len, len(ready)) if data.draw(st.booleans(), label="same_batch_size") else \
                 data.draw(st.integers(1, min(3, len(ready))), label="batch_size")
-            grow = 1 if data.draw(st.booleans(), label="decode") else data.draw(st.integers(1, self.p + 1), label="grow")
+            grow = 1 if data.draw(st.booleans(), label="decode") else data.draw(st.integers(1, self.p + 1),
+                                                                                label="grow")
         order = data.draw(st.permutations(range(len(ready))), label="batch_order")  # indices: replayable
         batch = [ready[i] for i in order[:size]]
         op = "alloc_decode" if grow == 1 else "alloc_extend"

@@ -42,7 +42,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -503,8 +503,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         return (f"{self.impl_name} diverged from the reference [{label}] at step {len(self.trace)}:\n"
                 f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.binding.replay_hint}")
 
-    def fail(self, message: str) -> Any:
-        """A verdict: raise :class:`LockstepFailure` with the full explanation (never returns)."""
+    def fail(self, message: str) -> NoReturn:
+        """A verdict: raise :class:`LockstepFailure` with the full explanation."""
         raise LockstepFailure(self.verdict(message))
 
     # ------------------------------------------------------------ one operation on both sides

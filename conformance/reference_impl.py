@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from kvproof.reference.contract import Capability
-from kvproof.reference.registry import Component
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability
+from kvproof.reference.errors import InvalidOperation
+from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["ReferenceAllocator", "ReferenceKVPool", "ReferenceHostPool"]
+__all__ = ["ReferenceAllocator", "ReferenceHostPool", "ReferenceKVPool"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -145,7 +146,7 @@ class ReferenceAllocator:
 
     def replay(self) -> None:
         if self._graph is None:
-            raise ref.InvalidOperation("replay", "graph", "nothing was captured")
+            raise InvalidOperation("replay", "graph", "nothing was captured")
         self.forward(*self._graph)
 
     def snapshot(self) -> AllocatorSnapshot:

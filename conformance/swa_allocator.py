@@ -71,8 +71,8 @@ class Pending:
 
 def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
     """Token counts biased to page and window boundaries, within ``1..top``."""
-    edges = {k * p + d for k in range(1, 6) for d in (-1, 0, 1)} | {w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, 1, 2}
-    edges = sorted(x for x in edges if 1 <= x <= top)
+    near = {k * p + d for k in range(1, 6) for d in (-1, 0, 1)} | {w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, 1, 2}
+    edges = sorted(x for x in near if 1 <= x <= top)
     return st.one_of(st.sampled_from(edges), st.integers(1, top))
 
 
@@ -130,14 +130,15 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         return self.config.size_swa + self.p  # beyond the SWA pool (tails matter), rarely past the full pool
 
 
-    def _draw_batch(self, data: st.DataObject, ok: Callable[[Req], bool], *, grow: bool
+    def _draw_batch(self, data: Any, ok: Callable[[Req], bool], *, grow: bool
                     ) -> list[tuple[int, int, int]]:
         """1-3 distinct requests (new ones only when ``grow``) as ``(rid, prefix_len, seq_len)``."""
         batch: list[tuple[int, int, int]] = []
         for _ in range(data.draw(st.integers(1, 3), label="batch_size")):
             candidates = [r for r in self.reqs.values() if ok(r) and r.rid not in {b[0] for b in batch}]
             if grow and (not candidates or data.draw(st.booleans(), label="new_request")):
-                batch.append((self._new_rid(), 0, data.draw(_sizes(self.p, self.w, self._max_tokens()), label="seq_len")))
+                seq_len = data.draw(_sizes(self.p, self.w, self._max_tokens()), label="seq_len")
+                batch.append((self._new_rid(), 0, seq_len))
             elif candidates:
                 req = data.choose(candidates, "request")
                 grow_by = data.draw(_sizes(self.p, self.w, 2 * self.p + 2), label="extend_len") if grow else 1
@@ -243,7 +244,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
             snap = self.snapshot()
             self.names.compare(self.ref, snap)
             for what, mine, theirs in (
-                ("available_size", ref.available_size(self.ref), self.observe("available_size()", self.impl.available_size)),
+                ("available_size", ref.available_size(self.ref),
+                 self.observe("available_size()", self.impl.available_size)),
                 ("full_available_size", ref.full_available_size(self.ref),
                  self.observe("full_available_size()", self.impl.full_available_size)),
                 ("swa_available_size", ref.swa_available_size(self.ref),
@@ -302,18 +304,18 @@ class SWAAllocatorMachine(SWALockstep):
             self._adopt("alloc", out, [(rid, [], n)])
 
     @operation(needs={C.ALLOC_EXTEND}, data=st.data())
-    def alloc_extend(self, data: st.DataObject) -> None:
+    def alloc_extend(self, data: Any) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=True)
         self._extend("alloc_extend", batch)
 
     @operation(needs={C.ALLOC_DECODE}, when=lambda self: any(self._extendable(r) for r in self.reqs.values()),
                data=st.data())
-    def alloc_decode(self, data: st.DataObject) -> None:
+    def alloc_decode(self, data: Any) -> None:
         batch = self._draw_batch(data, lambda req: self._extendable(req), grow=False)
         self._extend("alloc_decode", [(rid, prefix, prefix + 1) for rid, prefix, _ in batch])
 
     @operation(needs={C.ALLOC_EXTEND_SWA_TAIL}, data=st.data())
-    def alloc_extend_swa_tail(self, data: st.DataObject) -> None:
+    def alloc_extend_swa_tail(self, data: Any) -> None:
         existing = [r for r in self.reqs.values()]
         req = data.choose(existing, "request") if existing and data.draw(
             st.integers(0, 3), label="extend_existing") == 0 else None
@@ -337,7 +339,7 @@ class SWAAllocatorMachine(SWALockstep):
             self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
 
     @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
-    def free(self, data: st.DataObject) -> None:
+    def free(self, data: Any) -> None:
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         if self._free_request(req):
             self.reqs.pop(req.rid)
@@ -360,7 +362,7 @@ class SWAAllocatorMachine(SWALockstep):
         return True
 
     @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
-    def free_swa(self, data: st.DataObject) -> None:
+    def free_swa(self, data: Any) -> None:
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         last_page_start = floor_p(len(req.slots) - 1, self.p)
         if last_page_start == 0 or data.draw(st.integers(0, 5), label="release_all") == 0:
@@ -380,7 +382,7 @@ class SWAAllocatorMachine(SWALockstep):
         self._release("free_swa", req, slots, f"positions [{lo}, {hi})")
 
     @operation(needs={C.FREE_FULL}, when=lambda self: self.pending is None and self._swa_released(), data=st.data())
-    def free_full(self, data: st.DataObject) -> None:
+    def free_full(self, data: Any) -> None:
         req = data.choose(self._swa_released(), "request")
         self._release("free_full", req, req.slots)
         self.reqs.pop(req.rid)
@@ -397,7 +399,7 @@ class SWAAllocatorMachine(SWALockstep):
 
     @operation(needs={C.SET_FULL_TO_SWA_MAPPING}, when=lambda self: self.pending is None and self._swappable(),
                data=st.data())
-    def set_full_to_swa_mapping(self, data: st.DataObject) -> None:
+    def set_full_to_swa_mapping(self, data: Any) -> None:
         """Swap the SWA pages of two full pages of one request (a legal re-attachment, §1.5)."""
         req, pages = data.choose(self._swappable(), "request")
         a, b = data.choose([(x, y) for x in pages for y in pages if x < y], "pages")
@@ -430,7 +432,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.pending = None
 
     @operation(needs={C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
-    def set_kv_buffer(self, data: st.DataObject) -> None:
+    def set_kv_buffer(self, data: Any) -> None:
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         layer = data.draw(st.integers(0, self.config.kv.num_layers - 1), label="layer_id")
         hi = data.draw(st.integers(1, len(req.slots)), label="end")
@@ -450,21 +452,20 @@ class SWAAllocatorMachine(SWALockstep):
             self.ref = out[0][0]
 
     @operation(needs={C.CPU_COPY}, when=lambda self: self.reqs and self.pending is None, data=st.data())
-    def get_cpu_copy(self, data: st.DataObject) -> None:
+    def get_cpu_copy(self, data: Any) -> None:
         """Retract: copy a request's KV to the CPU, then free it (§1.6)."""
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         impl_slots = self._impl_slots(req.slots)
         out = self.call("get_cpu_copy", f"request {req.rid}, {len(req.slots)} positions",
                         lambda: (self.ref, ref.get_cpu_copy(self.ref, req.slots)),
                         lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
-        if out:
-            if self._free_request(req):  # retracted only once its slots are released
-                self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
-                self.reqs.pop(req.rid)
+        if out and self._free_request(req):  # retracted only once its slots are released
+            self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
+            self.reqs.pop(req.rid)
 
     @operation(needs={C.CPU_COPY}, needs_any={C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL},
                when=lambda self: self.retracted, data=st.data())
-    def load_cpu_copy(self, data: st.DataObject) -> None:
+    def load_cpu_copy(self, data: Any) -> None:
         """Resume: allocate the same positions again (tail or 1:1), then load the CPU copy (§2.8)."""
         index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
         saved = self.retracted[index]

@@ -185,7 +185,7 @@ class GraphRunner:
     def _record_cuda(self, loc: Tensor, writes: list[LayerWrite], mapping: Tensor, run_once: Callable[[], None],
                      warmups: int) -> CapturedGraph:
         device = self.pool.device
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch 2.13 leaves Stream.__new__ untyped
+        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-ups on a side stream, as torch asks before a capture
             for _ in range(warmups):

@@ -58,8 +58,8 @@ from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
-from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 from kvproof.reference.registry import Component
+from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 

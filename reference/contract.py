@@ -95,7 +95,8 @@ class SWAAllocatorUnderTest(Protocol):
     def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                      seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int) -> torch.Tensor: ...
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor: ...
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
+                     last_loc: torch.Tensor) -> torch.Tensor: ...
 
     def alloc_extend_swa_tail(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                               seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
@@ -151,7 +152,7 @@ class LocCacheSystemUnderTest(SWAAllocatorUnderTest, Protocol):
 
     def forward(self, out_cache_loc: torch.Tensor, cache_k: dict[int, torch.Tensor],
                 cache_v: dict[int, torch.Tensor]) -> None:
-        """One forward: the per-forward hook, then ``set_kv_buffer`` of each layer in ``cache_k`` at ``out_cache_loc``."""
+        """One forward: the per-forward hook, then each layer's ``set_kv_buffer`` (``cache_k``) at ``out_cache_loc``."""
 
     def capture(self, static_loc: torch.Tensor, static_k: dict[int, torch.Tensor],
                 static_v: dict[int, torch.Tensor]) -> None:

@@ -38,7 +38,7 @@ class PoolError(Exception):
     """Root of the taxonomy; never raised directly."""
 
 
-class OutOfMemory(PoolError):  # noqa: N818 - public taxonomy names, used by every layer and adapter
+class OutOfMemory(PoolError):
     """A pool has fewer free pages than the operation needs; state unchanged."""
 
     def __init__(self, op: str, pool: str, pages_needed: int, pages_free: int, *, request: int | None = None) -> None:
@@ -48,7 +48,7 @@ class OutOfMemory(PoolError):  # noqa: N818 - public taxonomy names, used by eve
         super().__init__(f"{op}: {pool} pool needs {pages_needed} page(s){who}, {pages_free} free")
 
 
-class InvalidOperation(PoolError, ValueError):  # noqa: N818 - public taxonomy names, used by every layer and adapter
+class InvalidOperation(PoolError, ValueError):
     """Caller misuse: ``argument`` violates a precondition; state unchanged."""
 
     def __init__(self, op: str, argument: str, message: str) -> None:
@@ -56,7 +56,7 @@ class InvalidOperation(PoolError, ValueError):  # noqa: N818 - public taxonomy n
         super().__init__(f"{op}: {argument}: {message}")
 
 
-class InvariantViolation(PoolError, AssertionError):  # noqa: N818 - public taxonomy names, used by every layer and adapter
+class InvariantViolation(PoolError, AssertionError):
     """An implementation bug: ``invariant`` (an id from §7, e.g. ``M2``) is broken."""
 
     def __init__(self, invariant: str, message: str) -> None:

@@ -93,7 +93,7 @@ def test_every_operation_keeps_one_name_in_every_layer(component: Component) -> 
     ops = {name: op for name, op in suite.machine.operations.items() if op.is_operation}
     assert ops, f"{component}: the suite declares no operation"
     for name, op in ops.items():
-        assert callable(getattr(reference, name, None)), f"{component}: {name} is not a function of {reference.__name__}"
+        assert callable(getattr(reference, name, None)), f"{component}: {name} is not in {reference.__name__}"
         assert spec.obligations(component.value, name), f"kvproof prove -k {name} finds no {component} obligation"
         if not op.environment:
             assert name in protocol_members, f"{component}: {name} is not a method of its contract"

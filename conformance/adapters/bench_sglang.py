@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from kvproof.reference.config import PoolConfig
 
 __all__ = ["main", "operations", "side_by_side"]
@@ -94,7 +95,8 @@ def side_by_side(page_sizes: Sequence[int] = (1, 4), ops: int = 10_000, repeat: 
     rows = []
     try:
         for p in page_sizes:
-            config, row = _config(p), {"page_size": p, "ops": len(seq), "op": "alloc" if p == 1 else "alloc_extend"}
+            config = _config(p)
+            row: dict[str, Any] = {"page_size": p, "ops": len(seq), "op": "alloc" if p == 1 else "alloc_extend"}
             for name, make in makers.items():
                 allocator = make(config)
                 _run(allocator, p, seq)  # warm-up

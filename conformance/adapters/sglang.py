@@ -61,10 +61,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvproof.reference.contract import Capability
-from kvproof.reference.registry import Component
+
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability
 from kvproof.reference.errors import OutOfMemory
+from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [

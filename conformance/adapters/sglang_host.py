@@ -82,11 +82,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kvproof.conformance.adapters.sglang import INSTALL_HINT, SGLANG_VERSION, load_sglang, sglang_available
 from kvproof.reference.contract import Capability
-from kvproof.reference.registry import Component
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
+from kvproof.reference.registry import Component
 
 __all__ = ["CAPABILITIES", "HOST_BUDGET_BYTES", "INSTALL_HINT", "SGLANG_VERSION", "SGLangHostModules",
            "SGLangHostPool", "load_sglang_host", "sglang_available"]

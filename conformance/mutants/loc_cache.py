@@ -31,7 +31,7 @@ from kvproof.gpu_runtime.swa_kv_pool import SWAKVPool
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint, KeyScheme
 
-__all__ = ["MUTANTS", "WITNESSES", "Witness", "IndexArena", "Observation", "stale"]
+__all__ = ["MUTANTS", "WITNESSES", "IndexArena", "Observation", "Witness", "stale"]
 
 Tensor = torch.Tensor
 P = InvalidationPoint
@@ -184,17 +184,17 @@ class _SharedCachePool(SWAKVPool):
 
     _shared: ClassVar[list[Any]] = [None, None]
 
-    @property  # type: ignore[override]
+    @property
     def _cached_loc_key(self) -> tuple[int, int] | None:
-        return _SharedCachePool._shared[0]  # type: ignore[no-any-return]
+        return _SharedCachePool._shared[0]
 
     @_cached_loc_key.setter
     def _cached_loc_key(self, key: tuple[int, int] | None) -> None:
         _SharedCachePool._shared[0] = key
 
-    @property  # type: ignore[override]
+    @property
     def _cached_swa_loc(self) -> Tensor | None:
-        return _SharedCachePool._shared[1]  # type: ignore[no-any-return]
+        return _SharedCachePool._shared[1]
 
     @_cached_swa_loc.setter
     def _cached_swa_loc(self, value: Tensor | None) -> None:

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from hypothesis import settings
+
 from kvproof.conformance.adapters import install_sglang, sglang_findings
 from kvproof.conformance.adapters import sglang as adapter
 from kvproof.conformance.check import run_check
@@ -162,6 +163,7 @@ def test_stubs_are_declared_not_sniffed(sglang_modules) -> None:
 @needs_sglang
 def test_out_of_memory_is_raised_not_returned(sglang_modules) -> None:
     import torch
+
     from kvproof.reference.errors import OutOfMemory
 
     impl = adapter.SGLangSWAAllocator(CONFORMANCE_CONFIGS[0])  # P1, SWA pool of 8

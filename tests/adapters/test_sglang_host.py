@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvproof.conformance.adapters import sglang as sglang_adapter
 from kvproof.conformance.adapters import sglang_findings
 from kvproof.conformance.adapters import sglang_host as adapter
@@ -113,6 +114,7 @@ def test_s7_through_the_real_pool(host_modules) -> None:
 @needs_sglang
 def test_out_of_memory_is_raised_and_changes_nothing(host_modules) -> None:
     import torch
+
     from kvproof.reference.errors import OutOfMemory
 
     impl = adapter.SGLangHostPool(HOST_CONFIGS[3])  # P4, 8 pages, rows of 18

@@ -17,7 +17,6 @@ import torch
 from hypothesis import settings
 
 from kvproof.conformance.check import MutantVerdict, get_suite, kill_mutants, mutants_of, run_check
-
 from kvproof.conformance.mutants.decode_prealloc import MUTANTS
 from kvproof.conformance.mutants.swa_allocator import MUTANTS as SWA_ALLOCATOR_MUTANTS
 from kvproof.conformance.profiles import get_profile

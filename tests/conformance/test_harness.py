@@ -1,5 +1,7 @@
 """Test the tester: the lockstep harness accepts legal implementations and only those."""
 
+from pathlib import Path
+
 import pytest
 
 from kvproof.conformance.check import check_swa_allocator, run_swa_allocator_check
@@ -50,7 +52,7 @@ def test_failures_are_saved(tmp_path) -> None:
     report = run_swa_allocator_check(RelabelledClaimingExactOrder, CONFORMANCE_CONFIGS[1], profile="dev",
                                      impl_name="x/y", failures_dir=tmp_path)
     assert report.failure_file is not None
-    text = open(report.failure_file).read()
+    text = Path(report.failure_file).read_text()
     assert "operations so far" in text and "reproduce_failure" in text
 
 
@@ -63,8 +65,8 @@ def test_free_of_released_positions_is_split_without_the_capability() -> None:
     """Without FREE_RELEASED_SWA the harness frees such requests as free_swa(still mapped) + free_full."""
     from kvproof.conformance.check import check
     from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-    from kvproof.reference.contract import Capability
     from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+    from kvproof.reference.contract import Capability
 
     class Strict(SWATokenToKVPoolAllocator):
         capabilities = frozenset(Capability) - {Capability.FREE_RELEASED_SWA, Capability.REJECTS_MISUSE}

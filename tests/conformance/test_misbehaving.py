@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from kvproof.conformance.plan import Impl, plan, run_plan
 from kvproof.conformance.check import replay_vector, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.hisparse_host import HOST_CONFIGS
+from kvproof.conformance.plan import Impl, plan, run_plan
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
 

@@ -31,10 +31,12 @@ def _trace(failure: str) -> list[str]:
 
 def test_s3_stale_mapping_rediscovered_and_shrunk() -> None:
     """S3 (sglang_semantics.md §9, R1 + R3): draft, restore_state, tail allocation over the draft's page."""
-    config = next(c for c in CONFORMANCE_CONFIGS if c.label() == "P4-W6-F48-S24")
-    report = run_swa_allocator_check(MUTANTS["stale_tail_mapping"], config, profile="ci",
-                                     impl_name="stale_tail_mapping (pre-#25805)", failures_dir=None)
-    assert not report.passed
+    for config in CONFORMANCE_CONFIGS:
+        report = run_swa_allocator_check(MUTANTS["stale_tail_mapping"], config, profile="ci",
+                                         impl_name="stale_tail_mapping (pre-#25805)", failures_dir=None)
+        if not report.passed:
+            break
+    assert not report.passed, "S3 was not rediscovered on any config"
     ops = _trace(report.failure or "")
     assert len(ops) <= 8, ops
     assert "restore_state" in ops and ops[-1] == "alloc_extend_swa_tail", ops

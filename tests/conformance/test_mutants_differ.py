@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvproof.conformance.mutants.swa_allocator import MUTANTS
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference import PoolConfig
 
-
-from kvproof.conformance.mutants.swa_allocator import MUTANTS
 Step = Callable[[SWATokenToKVPoolAllocator, dict[str, Any]], Any]
 
 

@@ -5,8 +5,8 @@ import torch
 
 from kvproof.conformance.check import check_swa_allocator
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
-from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="no CUDA device on this machine"))]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvproof.reference.contract import Capability
 from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.contract import Capability
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 
@@ -79,7 +79,8 @@ class RelabelledReference:
         return self._out_full(self._inner.alloc_decode(seq, seq_cpu, self._into_full(last)))
 
     def alloc_extend_swa_tail(self, pre, pre_cpu, seq, seq_cpu, last, n, tail):  # type: ignore[no-untyped-def]
-        return self._out_full(self._inner.alloc_extend_swa_tail(pre, pre_cpu, seq, seq_cpu, self._into_full(last), n, tail))
+        out = self._inner.alloc_extend_swa_tail(pre, pre_cpu, seq, seq_cpu, self._into_full(last), n, tail)
+        return self._out_full(out)
 
     def free(self, idx):  # type: ignore[no-untyped-def]
         self._inner.free(self._into_full(idx))
