@@ -23,14 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvproof.conformance.errors import Verdict
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.snapshot import AllocatorSnapshot
 
 __all__ = ["Divergence", "Renaming"]
 
 
-class Divergence(AssertionError):
-    """The implementation's observable state differs from the reference's."""
+class Divergence(Verdict):
+    """The implementation's observable state differs from the reference's (the machine turns it into a
+    :class:`~kvproof.conformance.errors.LockstepFailure` with the trace)."""
 
 
 def _diverge(what: str) -> None:

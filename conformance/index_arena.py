@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kvproof.conformance.errors import HarnessBug
+
 __all__ = ["IndexArena"]
 
 
@@ -37,7 +39,7 @@ class IndexArena:
         """A new int64 storage holding ``contents`` at byte offset ``base`` of the arena."""
         n = len(contents)
         if base < 0 or base % 8 or base + 8 * n > self.size:
-            raise ValueError(f"storage [{base}, {base + 8 * n}) does not fit the {self.size}-byte arena")
+            raise HarnessBug(f"storage [{base}, {base + 8 * n}) does not fit the {self.size}-byte arena")
         if self._device_arena is None:
             t = torch.frombuffer(self._view[base:base + 8 * n], dtype=torch.int64)
         else:

@@ -102,7 +102,8 @@ class ReferenceAllocator:
         return ref.backup_state(self.state)
 
     def restore_state(self, state: object) -> None:
-        assert isinstance(state, ref.AllocatorBackup)
+        if not isinstance(state, ref.AllocatorBackup):
+            raise InvalidOperation("restore_state", "state", f"a {type(state).__name__} is not a backup_state()")
         self.state = ref.restore_state(self.state, state)
 
     def available_size(self) -> int:
@@ -121,7 +122,9 @@ class ReferenceAllocator:
         return ref.get_cpu_copy(self.state, _ints(indices))
 
     def load_cpu_copy(self, kv_cache_cpu: object, indices: torch.Tensor) -> None:
-        assert isinstance(kv_cache_cpu, ref.KVCpuCopy)
+        if not isinstance(kv_cache_cpu, ref.KVCpuCopy):
+            raise InvalidOperation("load_cpu_copy", "kv_cache_cpu", f"a {type(kv_cache_cpu).__name__} is not a "
+                                   "get_cpu_copy()")
         self.state = ref.load_cpu_copy(self.state, kv_cache_cpu, _ints(indices))
 
     def get_kvcache(self) -> ReferenceKVPool:

@@ -423,7 +423,8 @@ class SWAAllocatorMachine(SWALockstep):
     @operation(needs={C.BACKUP_RESTORE}, when=lambda self: self.pending is not None)
     def restore_state(self) -> None:
         pending = self.pending
-        assert pending is not None
+        if pending is None:  # the declaration's `when` guarantees a backup
+            return
         out = self.call("restore_state", "", lambda: (ref.restore_state(self.ref, pending.ref_backup), None),
                         lambda: self.impl.restore_state(pending.impl_backup))
         if out:

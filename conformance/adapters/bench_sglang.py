@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvproof.conformance.errors import HarnessBug
 from kvproof.reference.config import PoolConfig
 
 __all__ = ["main", "operations", "side_by_side"]
@@ -65,7 +66,7 @@ def _run(allocator: Any, page_size: int, seq: Sequence[tuple[str, int]]) -> floa
         else:
             out = allocator.alloc_extend(zero, zero, lens[arg], lens[arg], minus_one, arg)
         if out is None:
-            raise RuntimeError(f"{type(allocator).__name__} ran out of memory in the benchmark")
+            raise HarnessBug(f"{type(allocator).__name__} ran out of memory in the benchmark")
         live.append(out)
     elapsed = time.perf_counter() - start
     for held in live:

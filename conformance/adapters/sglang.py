@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from kvproof.conformance.errors import UsageError
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import OutOfMemory
@@ -152,7 +153,7 @@ def load_sglang() -> SGLangModules:
         raise ImportError(f"SGLang is not installed in this environment ({sys.executable}); install SGLang "
                           f"{SGLANG_VERSION} for CPU with: {INSTALL_HINT}")
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "").lower() in {"1", "true", "yes"}:
-        raise RuntimeError("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops; the pools run "
+        raise UsageError("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops; the pools run "
                            "on CPU without it")
     from importlib.metadata import version
 

@@ -84,8 +84,9 @@ from typing import Any
 import torch
 
 from kvproof.conformance.adapters.sglang import INSTALL_HINT, SGLANG_VERSION, load_sglang, sglang_available
+from kvproof.conformance.errors import HarnessBug
 from kvproof.reference.contract import Capability
-from kvproof.reference.errors import OutOfMemory
+from kvproof.reference.errors import ConfigError, OutOfMemory
 from kvproof.reference.hisparse_host import Coordinator, HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.registry import Component
 
@@ -171,8 +172,8 @@ class SGLangHostPool:
 
     def __init__(self, config: HostPoolConfig) -> None:
         if config.coordinator is not Coordinator.PAGED:
-            raise ValueError(f"SGLang {SGLANG_VERSION} has the paged coordinator (#23606) only, got "
-                             f"{config.coordinator.value}")
+            raise ConfigError("HostPoolConfig", "coordinator", f"SGLang {SGLANG_VERSION} has the paged "
+                              f"coordinator (#23606) only, got {config.coordinator.value}")
         self.sglang = load_sglang_host()
         self.version = f"sglang {self.sglang.version}"  # reported as the implementation's version
         self.config, self.page_size = config, config.page_size
@@ -188,7 +189,7 @@ class SGLangHostPool:
                 device="cpu", device_capacity_tokens=capacity, start_layer=self.device_pool.start_layer,
                 end_layer=self.device_pool.end_layer, target_layer_num=self.device_pool.layer_num)
         if (self.host.page_num, self.host.size, self.host.page_size) != (config.num_pages, config.size, p):
-            raise RuntimeError(f"SGLang sized the host pool {self.host.page_num} pages x {self.host.page_size} = "
+            raise HarnessBug(f"SGLang sized the host pool {self.host.page_num} pages x {self.host.page_size} = "
                                f"{self.host.size} slots; the config asks {config.num_pages} x {p} = {config.size}")
         # the coordinator's state (HiSparseCoordinator.__init__, compress ratio 1)
         self.req_to_host_pool = torch.full((rows, config.row_width), -1, dtype=_I64)

@@ -19,6 +19,7 @@ from kvproof.conformance.adapters import install_sglang, sglang_findings
 from kvproof.conformance.adapters import sglang as adapter
 from kvproof.conformance.check import run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.errors import UsageError
 from kvproof.conformance.profiles import get_profile
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 
@@ -49,7 +50,7 @@ def test_cpu_engine_env_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adapter, "_LOADED", None)
     monkeypatch.setattr(adapter, "sglang_available", lambda: True)
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
-    with pytest.raises(RuntimeError, match="SGLANG_USE_CPU_ENGINE"):
+    with pytest.raises(UsageError, match="SGLANG_USE_CPU_ENGINE"):
         adapter.load_sglang()
 
 

@@ -34,3 +34,21 @@ def test_a_broken_implementation_fails_with_the_verdict_and_selection_files_appl
     assert "3 failed, 1 skipped, 1 xfailed" in out.stdout, out.stdout[-3000:]
     assert "operations so far" in out.stdout and "not today" in out.stdout
     assert "entry 'hisparse_host/P7-*' matches no test" in out.stdout
+
+
+def test_report_header_and_summary_name_the_implementation_and_unexercised_rules(tmp_path: Path) -> None:
+    """After collection: implementation, version, capabilities, profile, seed; at the end: n/a and never-run rules."""
+    (tmp_path / "myhost.py").write_text(
+        "from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool\n"
+        "from kvproof.reference.contract import Capability\n\n\n"
+        "class Lenient(HiSparseHostPool):\n"
+        "    capabilities = frozenset({Capability.EXACT_PAGE_ORDER, Capability.ATOMIC_BACKUP_BATCH})\n"
+        "    version = 'myhost 1.2'\n")
+    out = run(tmp_path, "--kvproof-config", "P4-H8-R4-C14", "--kvproof-impl", "myhost:Lenient",
+              env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "kvproof: profile dev, seed derandomized (derived from each test)" in out.stdout
+    assert ("kvproof: hisparse_host: myhost:Lenient (myhost 1.2); capabilities: atomic_backup_batch, "
+            "exact_page_order") in out.stdout
+    assert "hisparse_host/P4-H8-R4-C14: passed" in out.stdout
+    assert "not applicable (capabilities not declared): misuse" in out.stdout
