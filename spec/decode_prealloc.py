@@ -21,30 +21,30 @@ waiting queues) is any count ``>= 0``.
 
 D1 (admitted => ``_pre_alloc`` succeeds, §7):
 
-* ``d1_fresh_budget_within_free``: a budget computed from the pools never exceeds
+* ``pop_preallocated.d1_fresh_budget_within_free``: a budget computed from the pools never exceeds
   the free tokens of its pool (every reservation term is ``>= 0``);
-* ``d1_corrected_step``: under ``CORRECTED``, for any pool state, aggregate, ``R``,
+* ``pop_preallocated.d1_corrected_step``: under ``CORRECTED``, for any pool state, aggregate, ``R``,
   ``W``, ``P`` and request, passing the gates (``pop_preallocated``'s, with the can-finish
   clauses, or ``resume_retracted_reqs``'s) against budgets computed from that pool state
   implies ``ceil(A/P) <= free full pages`` and ``ceil(tail/P) <= free SWA pages``.
   ``CORRECTED`` recomputes both budgets from the actual pools after every admission
   (``_refresh``), so every admission of a round, and of a resume, is such a step: the
-  one-step lemma covers rounds of any length. ``d1_corrected_round`` checks an explicit
+  one-step lemma covers rounds of any length. ``pop_preallocated.d1_corrected_round`` checks an explicit
   two-admission round anyway;
-* ``d1_unrounded_recomputed`` (finding): the page rounding is not what makes
+* ``pop_preallocated.d1_unrounded_recomputed`` (finding): the page rounding is not what makes
   ``CORRECTED`` sound. With unrounded requirements and recomputed budgets D1 still holds,
   because ``A + R <= budget <= F * P`` already implies ``ceil(A/P) <= F`` on a
   page-granular pool (twin: a token-granular free count);
-* ``d1_rounded_decremented_step`` (finding): nor is the recomputation. A budget ``b``
+* ``pop_preallocated.d1_rounded_decremented_step`` (finding): nor is the recomputation. A budget ``b``
   with ``b <= F * P`` (true of a fresh one) decremented by the *page-rounded*
   requirement stays ``<= F' * P`` after the allocation, so by induction every admission
   of a round passes (for the SWA budget of ``pop_preallocated`` and both budgets of
   ``resume_retracted_reqs``);
-* ``d1_upstream_reserve_covers_rounding`` (finding): even ``UPSTREAM``'s unrounded
+* ``pop_preallocated.d1_upstream_reserve_covers_rounding`` (finding): even ``UPSTREAM``'s unrounded
   decrement keeps ``b <= F * P`` when ``R >= P - 1``: the decrement ``n + R`` covers the
   ``ceil_P(n) - n <= P - 1`` drift. S2 needs ``R = 0``; SGLang's default ``R = 512``
   covers every page size up to 513;
-* ``d1_upstream_round`` / ``d1_s2_vector``: an ``UPSTREAM`` round (empty running batch,
+* ``pop_preallocated.d1_upstream_round`` / ``pop_preallocated.d1_s2_vector``: an ``UPSTREAM`` round (empty running batch,
   two queued requests, search narrowed to S2-sized numbers) in which both requests
   pass their gates with the decremented SWA budget but the second one's tail needs
   more SWA pages than remain free; and S2's exact numbers (P=64, W=128, R=0, two
@@ -52,13 +52,13 @@ D1 (admitted => ``_pre_alloc`` succeeds, §7):
 
 D3 (residency, §1.6, §2.8, §7):
 
-* ``d3_residency``: after ``_evict_swa`` at length ``L`` (mark
+* ``decode.d3_residency``: after ``_evict_swa`` at length ``L`` (mark
   ``floor_P(max(e, L - 1 - W - P))`` from a page-aligned mark ``e <= max(0, L - 1 - W)``,
   the invariant this obligation re-establishes at ``L``; the prealloc tail starts at
   ``A - swa_tail_len(A)``), the SWA-resident positions ``[max(tail start, mark), L)``
   lie in ``[floor_P(max(0, L - 1 - W - P)), L)`` (so at most ``W + 2P`` of them) and
   contain the window ``[L - W, L)``;
-* ``d3_resume_within_saved``: the tail a request of ``L`` KV positions gets on resume,
+* ``resume_retracted_reqs.d3_resume_within_saved``: the tail a request of ``L`` KV positions gets on resume,
   ``[floor_P(max(0, L - W)), L)``, lies within the positions still SWA-resident at its
   retraction (right after prealloc or after an eviction at ``L``) and contains the
   window, so ``load_cpu_copy`` restores every in-window row and leaves no resumed SWA
@@ -847,7 +847,7 @@ def _resume_witnesses(v: ResidencyVars, rv: ResumeVariant) -> tuple[dict[str, z3
 
 
 def page_index_order(a: IntLike, b: IntLike, page_size: IntLike) -> z3.BoolRef:
-    """``a * P < b * P  =>  a < b`` (valid for ``P >= 1``; obligation ``page_index_order``)."""
+    """``a * P < b * P  =>  a < b`` (valid for ``P >= 1``; obligation ``resume_retracted_reqs.page_index_order``)."""
     a, b, p = lift(a), lift(b), lift(page_size)
     return z3.Implies(a * p < b * p, a < b)
 
@@ -915,189 +915,189 @@ def _obligations() -> tuple[Obligation, ...]:
     ceil_no_margin = EvictVariant(ceil=True, margin=False)
     return (
         _obligation(
-            "d1_fresh_budget_within_free",
+            "pop_preallocated.d1_fresh_budget_within_free",
             "for any pool state, running/retracted aggregate, extra, R, W, P: both budgets of "
             "allocatable_token_budgets are at most their pool's free tokens (every reservation term is >= 0)",
             _within_free_build(True), _within_free_render(True),
         ),
         _obligation(
-            "d1_fresh_budget_within_free.unclamped_growth",
+            "pop_preallocated.d1_fresh_budget_within_free.unclamped_growth",
             "without max(0, .) the SWA growth cap n_active*W - swa_used goes negative and the SWA budget "
             "exceeds the free SWA tokens",
             _within_free_build(False, shaped=2), _within_free_render(False, shaped=2), expect="counterexample",
-            twin_of="d1_fresh_budget_within_free",
+            twin_of="pop_preallocated.d1_fresh_budget_within_free",
         ),
         _obligation(
-            "d1_corrected_step",
+            "pop_preallocated.d1_corrected_step",
             "CORRECTED: for any pool state, aggregate, R, W, P and request, passing the pop or resume gates against "
             "budgets computed from the pools implies ceil(A/P) <= free full pages and ceil(tail/P) <= free SWA "
             "pages (budgets are recomputed after every admission, so this covers every admission of a round)",
             _step_build(sound), _step_render(sound),
         ),
         _obligation(
-            "d1_corrected_step.swa_len_from_prompt",
+            "pop_preallocated.d1_corrected_step.swa_len_from_prompt",
             "a gate that sizes the SWA tail from len(origin) (as _swa_payload does, R9) while _pre_alloc takes "
             "swa_tail_len(A) admits a resumed request whose tail needs more SWA pages",
             _step_build(StepVariant(swa_len_from_prompt=True), shaped=0),
             _step_render(StepVariant(swa_len_from_prompt=True), shaped=0),
-            expect="counterexample", twin_of="d1_corrected_step",
+            expect="counterexample", twin_of="pop_preallocated.d1_corrected_step",
         ),
         _obligation(
-            "d1_corrected_step.unclamped_growth",
+            "pop_preallocated.d1_corrected_step.unclamped_growth",
             "with the SWA growth cap unclamped (no max(0, .)) a CORRECTED admission can find the SWA pool short",
             _step_build(StepVariant(clamp_growth=False), shaped=1),
             _step_render(StepVariant(clamp_growth=False), shaped=1),
-            expect="counterexample", twin_of="d1_corrected_step",
+            expect="counterexample", twin_of="pop_preallocated.d1_corrected_step",
         ),
         _obligation(
-            "d1_unrounded_recomputed",
+            "pop_preallocated.d1_unrounded_recomputed",
             "unrounded requirements (A + R, tail + R) with budgets recomputed from page-granular pools still imply "
             "that both preallocations succeed: A + R <= F*P - (reservations >= 0) gives ceil(A/P) <= F",
             _step_build(StepVariant(rounded=False)), _step_render(StepVariant(rounded=False)),
         ),
         _obligation(
-            "d1_unrounded_recomputed.token_granular_pool",
+            "pop_preallocated.d1_unrounded_recomputed.token_granular_pool",
             "the same unrounded gate over free token counts that are not page multiples admits a request whose "
             "last page does not fit",
             _step_build(StepVariant(rounded=False, token_pool=True), shaped=2),
             _step_render(StepVariant(rounded=False, token_pool=True), shaped=2),
-            expect="counterexample", twin_of="d1_unrounded_recomputed",
+            expect="counterexample", twin_of="pop_preallocated.d1_unrounded_recomputed",
         ),
         _obligation(
-            "d1_rounded_decremented_step",
+            "pop_preallocated.d1_rounded_decremented_step",
             "a budget b <= F*P decremented by the page-rounded requirement ceil_P(n) + R after an admission with "
             "ceil_P(n) + R <= b: the allocation of ceil(n/P) pages succeeds and b' <= F'*P again (any round length)",
             _dec_build(True, None), _dec_render(True),
         ),
         _obligation(
-            "d1_rounded_decremented_step.unrounded",
+            "pop_preallocated.d1_rounded_decremented_step.unrounded",
             "decremented by the unrounded n + R (UPSTREAM, R4) the budget can exceed the free tokens after an "
             "admission",
             _dec_build(False, None), _dec_render(False), expect="counterexample",
-            twin_of="d1_rounded_decremented_step",
+            twin_of="pop_preallocated.d1_rounded_decremented_step",
         ),
         _obligation(
-            "d1_upstream_reserve_covers_rounding",
+            "pop_preallocated.d1_upstream_reserve_covers_rounding",
             "UPSTREAM's unrounded decrement n + R keeps b <= F*P and every admission's allocation succeeds when "
             "R >= P - 1 (the per-request reserve covers the ceil_P(n) - n <= P - 1 drift)",
             _dec_build(False, lambda v: v.R >= v.P - 1), _dec_render(False),
         ),
         _obligation(
-            "d1_upstream_reserve_covers_rounding.reserve_p_minus_2",
+            "pop_preallocated.d1_upstream_reserve_covers_rounding.reserve_p_minus_2",
             "R = P - 2 does not cover the drift of a request one token into its last page",
             _dec_build(False, lambda v: v.R == v.P - 2), _dec_render(False), expect="counterexample",
-            twin_of="d1_upstream_reserve_covers_rounding",
+            twin_of="pop_preallocated.d1_upstream_reserve_covers_rounding",
         ),
         _obligation(
-            "d1_corrected_round",
+            "pop_preallocated.d1_corrected_round",
             "CORRECTED pop_preallocated with two queued requests, any pool state and aggregate: every admitted "
             "request's preallocation succeeds in both pools",
             _round_build(Policy.CORRECTED, empty=False, narrow=None, swa_crash=False),
             _round_render(Policy.CORRECTED, empty=False),
         ),
         _obligation(
-            "d1_upstream_round",
+            "pop_preallocated.d1_upstream_round",
             "UPSTREAM pop_preallocated (empty running batch, two queued requests, S2-sized search): both pass their "
             "gates with the decremented SWA budget but the second one's tail needs more SWA pages than remain free",
             _round_build(Policy.UPSTREAM, empty=True, narrow=_search_bounds, swa_crash=True),
-            _round_render(Policy.UPSTREAM, empty=True), expect="counterexample", twin_of="d1_corrected_round",
+            _round_render(Policy.UPSTREAM, empty=True), expect="counterexample", twin_of="pop_preallocated.d1_corrected_round",
         ),
         _obligation(
-            "d1_s2_vector",
+            "pop_preallocated.d1_s2_vector",
             "S2 (P=64, W=128, R=0, two 200-token prompts, 5 free SWA pages) under UPSTREAM: request 2 is admitted "
             "with 3 SWA pages needed and 2 free",
             _round_build(Policy.UPSTREAM, empty=True, narrow=_s2_facts, swa_crash=True),
-            _round_render(Policy.UPSTREAM, empty=True), expect="counterexample", twin_of="d1_corrected_round",
+            _round_render(Policy.UPSTREAM, empty=True), expect="counterexample", twin_of="pop_preallocated.d1_corrected_round",
         ),
         _obligation(
-            "d3_residency",
+            "decode.d3_residency",
             "after _evict_swa at length L (page-aligned mark e <= max(0, L-1-W)), SWA residency [max(tail start, "
             "mark), L) lies in [floor_P(max(0, L-1-W-P)), L) (at most W + 2P positions), contains [L-W, L), and "
             "the new mark keeps the invariant",
             _residency_build(EvictVariant(), None, False), _residency_render(EvictVariant(), None),
         ),
         _obligation(
-            "d3_residency.ceil_without_margin",
+            "decode.d3_residency.ceil_without_margin",
             "evicting to ceil_P(max(e, L-1-W)) (ceil and no - P margin) releases SWA pages of window positions",
             _residency_build(ceil_no_margin, None, True), _residency_render(ceil_no_margin, None),
-            expect="counterexample", twin_of="d3_residency",
+            expect="counterexample", twin_of="decode.d3_residency",
         ),
         _obligation(
-            "d3_residency.tail_sized_bound",
+            "decode.d3_residency.tail_sized_bound",
             "a running request can hold more than W + P - 1 SWA positions (the prealloc tail's bound) between "
             "evictions: up to W + 2P",
             _residency_build(EvictVariant(), lambda v: v.W + v.P - 1, True),
             _residency_render(EvictVariant(), lambda v: v.W + v.P - 1),
-            expect="counterexample", twin_of="d3_residency",
+            expect="counterexample", twin_of="decode.d3_residency",
         ),
         _obligation(
-            "d3_resume_within_saved",
+            "resume_retracted_reqs.d3_resume_within_saved",
             "the resume tail [floor_P(max(0, L-W)), L) of a request retracted at L KV positions (right after "
             "prealloc or after an eviction at L) lies within its saved SWA rows and contains the window",
             _resume_build(ResumeVariant(), False), _resume_render(ResumeVariant()),
         ),
         _obligation(
-            "d3_resume_no_margin_floor",
+            "resume_retracted_reqs.d3_resume_no_margin_floor",
             "finding: evicting to floor_P(max(e, L-1-W)) (without the - P margin) still keeps the resume tail "
             "within the saved SWA rows and the window resident: for D3 the margin is redundant given floor_P",
             _resume_build(ResumeVariant(evict=EvictVariant(margin=False)), False),
             _resume_render(ResumeVariant(evict=EvictVariant(margin=False))),
         ),
         _obligation(
-            "d3_resume_no_margin_floor.ceil",
+            "resume_retracted_reqs.d3_resume_no_margin_floor.ceil",
             "with ceil_P instead of floor_P as well (ceil_P(max(e, L-1-W))) the resume tail starts before the saved "
             "rows: in-window positions get SWA slots without data",
             _resume_build(ResumeVariant(evict=ceil_no_margin), True), _resume_render(ResumeVariant(evict=ceil_no_margin)),
-            expect="counterexample", twin_of="d3_resume_no_margin_floor",
+            expect="counterexample", twin_of="resume_retracted_reqs.d3_resume_no_margin_floor",
         ),
         _obligation(
-            "page_index_order",
-            "for P >= 1 and integers a, b: a*P < b*P implies a < b (instances are hypotheses of d3_resume_margin_ceil)",
+            "resume_retracted_reqs.page_index_order",
+            "for P >= 1 and integers a, b: a*P < b*P implies a < b (instances are hypotheses of resume_retracted_reqs.d3_resume_margin_ceil)",
             lambda: [z3.Int("P") >= 1, z3.Not(page_index_order(z3.Int("a"), z3.Int("b"), z3.Int("P")))],
             lambda m: f"P={as_int(m, z3.Int('P'))} a={as_int(m, z3.Int('a'))} b={as_int(m, z3.Int('b'))}",
         ),
         _obligation(
-            "page_index_order.zero_page",
+            "resume_retracted_reqs.page_index_order.zero_page",
             "without P >= 1 (P = 0 or negative) the order of page indices is not that of their positions",
             lambda: [z3.Not(page_index_order(z3.Int("a"), z3.Int("b"), z3.Int("P")))],
             lambda m: (f"P={as_int(m, z3.Int('P'))} a={as_int(m, z3.Int('a'))} b={as_int(m, z3.Int('b'))}: "
                        f"a*P < b*P but a >= b"),
-            expect="counterexample", twin_of="page_index_order",
+            expect="counterexample", twin_of="resume_retracted_reqs.page_index_order",
         ),
         _obligation(
-            "d3_resume_margin_ceil",
+            "resume_retracted_reqs.d3_resume_margin_ceil",
             "finding: evicting to ceil_P(max(e, L-1-W-P)) (ceil, with the - P margin) also keeps the resume tail "
             "of a decoded request within the saved SWA rows: the margin absorbs the rounding (witness form)",
             _resume_build(ResumeVariant(evict=EvictVariant(ceil=True), witnesses=True), False),
             _resume_render(ResumeVariant(evict=EvictVariant(ceil=True), witnesses=True)),
         ),
         _obligation(
-            "d3_resume_margin_ceil.without_margin",
+            "resume_retracted_reqs.d3_resume_margin_ceil.without_margin",
             "the same ceil_P eviction without the - P margin loses in-window rows (witness form)",
             _resume_build(ResumeVariant(evict=ceil_no_margin, witnesses=True), True),
             _resume_render(ResumeVariant(evict=ceil_no_margin, witnesses=True)),
-            expect="counterexample", twin_of="d3_resume_margin_ceil",
+            expect="counterexample", twin_of="resume_retracted_reqs.d3_resume_margin_ceil",
         ),
         _obligation(
-            "d3_resume_within_saved.resume_window_off_by_one",
+            "resume_retracted_reqs.d3_resume_within_saved.resume_window_off_by_one",
             "a resume tail starting at floor_P(max(0, L-1-W)) (seqlen's window applied to L KV positions) can start "
             "a page before the prealloc tail of a request retracted before its first decode step",
             _resume_build(resume_off_by_one, True), _resume_render(resume_off_by_one),
-            expect="counterexample", twin_of="d3_resume_within_saved",
+            expect="counterexample", twin_of="resume_retracted_reqs.d3_resume_within_saved",
         ),
         _obligation(
-            "d3_resume_within_saved.resume_window_late",
+            "resume_retracted_reqs.d3_resume_within_saved.resume_window_late",
             "a resume tail starting at floor_P(max(0, L+1-W)) misses the first window position",
             _resume_build(resume_late, True), _resume_render(resume_late),
-            expect="counterexample", twin_of="d3_resume_within_saved",
+            expect="counterexample", twin_of="resume_retracted_reqs.d3_resume_within_saved",
         ),
         _obligation(
-            "d3_resume_within_saved.copy_drops_last",
+            "resume_retracted_reqs.d3_resume_within_saved.copy_drops_last",
             "a retraction that saves positions [0, L-1) only (seqlen - 1 applied to L KV positions) loses the "
             "last in-window row",
             _resume_build(ResumeVariant(copy_drops_last=True), True),
             _resume_render(ResumeVariant(copy_drops_last=True)),
-            expect="counterexample", twin_of="d3_resume_within_saved",
+            expect="counterexample", twin_of="resume_retracted_reqs.d3_resume_within_saved",
         ),
     )
 

@@ -12,32 +12,32 @@ compares them with the reference (drift test), and replays S7 through it.
 
 Obligations (each sound one has broken twins that Z3 refutes with concrete numbers):
 
-* ``div_shift`` (lemma): ``(x + w*P) div P == x div P + w`` and ``(w*P) div P == w`` for
-  ``P >= 1``; its instances are hypotheses of ``new_pages_count`` (Z3's non-linear
+* ``alloc_paged_token_slots.div_shift`` (lemma): ``(x + w*P) div P == x div P + w`` and ``(w*P) div P == w`` for
+  ``P >= 1``; its instances are hypotheses of ``alloc_paged_token_slots.new_pages_count`` (Z3's non-linear
   division reasoning times out on the composed query, not on the lemma);
-* ``allocated_len_multiple`` (H1): the allocated length after the call is a multiple of
+* ``alloc_paged_token_slots.allocated_len_multiple`` (H1): the allocated length after the call is a multiple of
   ``P`` (written ``k * P`` with the explicit page count ``k``);
-* ``covers_request``: after the call every requested position has a host slot
+* ``alloc_paged_token_slots.covers_request``: after the call every requested position has a host slot
   (``alloc_len >= end``) and the row never shrinks (``>= a``);
-* ``new_pages_count``: the call takes ``ceil((end - a)/P)`` pages when ``end > a`` and
+* ``alloc_paged_token_slots.new_pages_count``: the call takes ``ceil((end - a)/P)`` pages when ``end > a`` and
   none otherwise;
-* ``slots_distinct_in_own_pages_in_order`` (H1, H2): with pairwise distinct host pages
+* ``alloc_paged_token_slots.slots_distinct_in_own_pages_in_order`` (H1, H2): with pairwise distinct host pages
   per row, ``slot(pos) = page(pos div P)*P + pos mod P`` gives distinct slots to
   distinct positions, lies in the page of its block, and increases with the position
   within one page;
-* ``no_hole`` (H4): with ``start <= a`` (upstream's assert) every newly allocated page
+* ``alloc_paged_token_slots.no_hole`` (H4): with ``start <= a`` (upstream's assert) every newly allocated page
   holds a requested position; without it (S7's ``start = 2000``) pages are reserved
   for positions nobody asked for;
-* ``row_width_fits`` / ``row_width_exact`` (§4.3): ``ceil_P(end) <= max_context_len + P``
+* ``alloc_paged_token_slots.row_width_fits`` / ``alloc_paged_token_slots.row_width_exact`` (§4.3): ``ceil_P(end) <= max_context_len + P``
   whenever ``end <= max_context_len``, and ``ceil_P(end) <= W <=> end <= floor_P(W)``;
-* ``release_restores_pool`` (H2, H3): ``request_finished`` frees the whole allocated
+* ``request_finished.release_restores_pool`` (H2, H3): ``request_finished`` frees the whole allocated
   length and keeps ``available + sum(alloc_len) == size`` in whole pages; the
   pre-#23606 release of ``compressed_len`` slots leaks;
-* ``backup_within_allocated`` (H4, by induction): after staging ``n`` tokens and the
+* ``eager_backup_previous_token.backup_within_allocated`` (H4, by induction): after staging ``n`` tokens and the
   skipped first backup, every eager backup of position ``seq_len - 2`` starts at most
   at the allocated length, and the invariant ``alloc_len >= seq_len - 2`` (a multiple
   of ``P``) holds again for ``seq_len + 1``;
-* ``s7_vector``: S7's numbers at ``P = 64``: staging 1 000 tokens takes 16 pages
+* ``admit_request_into_staging.s7_vector``: S7's numbers at ``P = 64``: staging 1 000 tokens takes 16 pages
   (``alloc_len = 1024``), backups of positions 1 000-1 023 none, position 1 024 one
   (``alloc_len = 1088``), the release frees 17 pages; ``start = 2000`` would leave
   reserved pages with no requested position (the hole the assert forbids). Its twin
@@ -610,169 +610,169 @@ def _shift_render(m: z3.ModelRef) -> str:
 def _obligations() -> tuple[Obligation, ...]:
     return (
         _obligation(
-            "div_shift",
+            "alloc_paged_token_slots.div_shift",
             "for P >= 1 and integers x, w: (x + w*P) div P == x div P + w and (w*P) div P == w (instances are "
-            "hypotheses of new_pages_count)",
+            "hypotheses of alloc_paged_token_slots.new_pages_count)",
             _shift_build(True), _shift_render,
         ),
         _obligation(
-            "div_shift.any_addend",
+            "alloc_paged_token_slots.div_shift.any_addend",
             "the shift does not generalise to addends that are not multiples of P: (x + w) div P != x div P + "
             "w div P",
-            _shift_build(False), _shift_render, expect="counterexample", twin_of="div_shift",
+            _shift_build(False), _shift_render, expect="counterexample", twin_of="alloc_paged_token_slots.div_shift",
         ),
         _obligation(
-            "allocated_len_multiple",
+            "alloc_paged_token_slots.allocated_len_multiple",
             "H1: for P >= 1, a = j*P, start >= 0, n >= 1: allocated_len_after(a, start, n) = max(a, ceil_P(start + "
             "n)) is k*P for k = j or ceil((start + n)/P)",
             _multiple_build(sound_after, _sound_pages_witness), _multiple_render(sound_after),
         ),
         _obligation(
-            "allocated_len_multiple.no_round_up",
+            "alloc_paged_token_slots.allocated_len_multiple.no_round_up",
             "growing the row to max(a, end) (no round-up to a page) breaks H1",
             _multiple_build(after_no_round_up, None), _multiple_render(after_no_round_up),
-            expect="counterexample", twin_of="allocated_len_multiple",
+            expect="counterexample", twin_of="alloc_paged_token_slots.allocated_len_multiple",
         ),
         _obligation(
-            "covers_request",
+            "alloc_paged_token_slots.covers_request",
             "after alloc_paged_token_slots(start, n) the allocated length is >= start + n (every requested position "
             "has a host slot) and >= a (the row never shrinks)",
             _covers_build(sound_after), _covers_render(sound_after),
         ),
         _obligation(
-            "covers_request.floor_end",
+            "alloc_paged_token_slots.covers_request.floor_end",
             "rounding the end down (max(a, floor_P(end))) leaves the last requested positions without host slots",
             _covers_build(after_floor_end), _covers_render(after_floor_end),
-            expect="counterexample", twin_of="covers_request",
+            expect="counterexample", twin_of="alloc_paged_token_slots.covers_request",
         ),
         _obligation(
-            "covers_request.no_max",
+            "alloc_paged_token_slots.covers_request.no_max",
             "setting the length to ceil_P(end) without max(a, .) shrinks the row on a call inside it",
             _covers_build(after_no_max), _covers_render(after_no_max),
-            expect="counterexample", twin_of="covers_request",
+            expect="counterexample", twin_of="alloc_paged_token_slots.covers_request",
         ),
         _obligation(
-            "new_pages_count",
+            "alloc_paged_token_slots.new_pages_count",
             "host_new_pages = (allocated_len_after - a) div P equals ceil((end - a)/P) when end > a and 0 when "
             "end <= a",
             _pages_build(sound_pages), _pages_render(sound_pages),
         ),
         _obligation(
-            "new_pages_count.from_n",
+            "alloc_paged_token_slots.new_pages_count.from_n",
             "ceil(n/P) new pages (sized from the request, not from end - a) over-allocates when start < a",
             _pages_build(pages_from_n), _pages_render(pages_from_n),
-            expect="counterexample", twin_of="new_pages_count",
+            expect="counterexample", twin_of="alloc_paged_token_slots.new_pages_count",
         ),
         _obligation(
-            "new_pages_count.floor",
+            "alloc_paged_token_slots.new_pages_count.floor",
             "floor((end - a)/P) new pages misses the last, partial page",
             _pages_build(pages_floor), _pages_render(pages_floor),
-            expect="counterexample", twin_of="new_pages_count",
+            expect="counterexample", twin_of="alloc_paged_token_slots.new_pages_count",
         ),
         _obligation(
-            "slots_distinct_in_own_pages_in_order",
+            "alloc_paged_token_slots.slots_distinct_in_own_pages_in_order",
             "H1/H2: with pairwise distinct non-negative host pages per row, slot(pos) = page(pos div P)*P + pos mod P "
             "gives requested positions x < y distinct slots, each in the host page of its block, increasing within "
             "a page",
             _slots_build(host_slot_term, True), _slots_render(host_slot_term),
         ),
         _obligation(
-            "slots_distinct_in_own_pages_in_order.position_offset",
+            "alloc_paged_token_slots.slots_distinct_in_own_pages_in_order.position_offset",
             "slot = page(b)*P + pos (the position instead of its offset) leaves the block's host page",
             _slots_build(slot_pos_offset, True), _slots_render(slot_pos_offset),
-            expect="counterexample", twin_of="slots_distinct_in_own_pages_in_order",
+            expect="counterexample", twin_of="alloc_paged_token_slots.slots_distinct_in_own_pages_in_order",
         ),
         _obligation(
-            "slots_distinct_in_own_pages_in_order.page_plus_offset",
+            "alloc_paged_token_slots.slots_distinct_in_own_pages_in_order.page_plus_offset",
             "slot = page(b) + pos mod P (a page index used as a slot) gives two positions one slot",
             _slots_build(slot_page_plus_offset, True), _slots_render(slot_page_plus_offset),
-            expect="counterexample", twin_of="slots_distinct_in_own_pages_in_order",
+            expect="counterexample", twin_of="alloc_paged_token_slots.slots_distinct_in_own_pages_in_order",
         ),
         _obligation(
-            "slots_distinct_in_own_pages_in_order.repeated_pages",
+            "alloc_paged_token_slots.slots_distinct_in_own_pages_in_order.repeated_pages",
             "a row whose host pages repeat (a stale alloc_len reusing the previous owner's pages, H3) gives two "
             "positions one slot",
             _slots_build(host_slot_term, False), _slots_render(host_slot_term),
-            expect="counterexample", twin_of="slots_distinct_in_own_pages_in_order",
+            expect="counterexample", twin_of="alloc_paged_token_slots.slots_distinct_in_own_pages_in_order",
         ),
         _obligation(
-            "no_hole",
+            "alloc_paged_token_slots.no_hole",
             "H4: with start <= a (upstream's assert), every page the call allocates (blocks a/P .. alloc_len/P - 1) "
             "holds at least one requested position start <= pos < end",
             _no_hole_build(True), _no_hole_render,
         ),
         _obligation(
-            "no_hole.precondition_dropped",
+            "alloc_paged_token_slots.no_hole.precondition_dropped",
             "without start <= a (e.g. S7's start = 2000 with alloc_len 1088) the call reserves pages that hold no "
             "requested position (search narrowed to P >= 2)",
-            _no_hole_build(False), _no_hole_render, expect="counterexample", twin_of="no_hole",
+            _no_hole_build(False), _no_hole_render, expect="counterexample", twin_of="alloc_paged_token_slots.no_hole",
         ),
         _obligation(
-            "row_width_fits",
+            "alloc_paged_token_slots.row_width_fits",
             "for end = start + n <= max_context_len: ceil_P(end) <= max_context_len + P, the width of a "
             "req_to_host_pool row",
             _fits_build(row_width_term), _fits_render(row_width_term),
         ),
         _obligation(
-            "row_width_fits.no_padding",
+            "alloc_paged_token_slots.row_width_fits.no_padding",
             "rows of width max_context_len (without the + P padding) overflow when the rounded end passes it",
-            _fits_build(_no_padding), _fits_render(_no_padding), expect="counterexample", twin_of="row_width_fits",
+            _fits_build(_no_padding), _fits_render(_no_padding), expect="counterexample", twin_of="alloc_paged_token_slots.row_width_fits",
         ),
         _obligation(
-            "row_width_exact",
+            "alloc_paged_token_slots.row_width_exact",
             "for P >= 1, width >= 0, end >= 0: ceil_P(end) <= width <=> end <= floor_P(width) (the exact "
             "precondition of a call)",
             _exact_build(floor_p_term), _exact_render(floor_p_term),
         ),
         _obligation(
-            "row_width_exact.end_within_width",
+            "alloc_paged_token_slots.row_width_exact.end_within_width",
             "end <= width is not the precondition: the rounded end can still pass the width",
             _exact_build(lambda w, p: w), _exact_render(lambda w, p: w),
-            expect="counterexample", twin_of="row_width_exact",
+            expect="counterexample", twin_of="alloc_paged_token_slots.row_width_exact",
         ),
         _obligation(
-            "release_restores_pool",
+            "request_finished.release_restores_pool",
             "H2/H3: request_finished frees alloc_len slots and resets the row: available + sum(alloc_len) == size "
             "is kept (two requests) and available stays whole pages",
             _release_build(False), _release_render(False),
         ),
         _obligation(
-            "release_restores_pool.pre_23606_compressed_len",
+            "request_finished.release_restores_pool.pre_23606_compressed_len",
             "the pre-#23606 release frees the row's first compressed_len slots (compressed_len <= alloc_len) and "
             "leaks the rest",
-            _release_build(True), _release_render(True), expect="counterexample", twin_of="release_restores_pool",
+            _release_build(True), _release_render(True), expect="counterexample", twin_of="request_finished.release_restores_pool",
         ),
         _obligation(
-            "backup_within_allocated",
+            "eager_backup_previous_token.backup_within_allocated",
             "H4 by induction: after staging n tokens (alloc_len ceil_P(n) >= P) and the skipped first backup, "
             "alloc_len >= seq_len - 2 holds; then each backup of position seq_len - 2 has start <= alloc_len and "
             "leaves alloc_len >= (seq_len + 1) - 2, a multiple of P",
             _backup_build(sound_backup), _backup_render(sound_backup),
         ),
         _obligation(
-            "backup_within_allocated.no_page_extension",
+            "eager_backup_previous_token.backup_within_allocated.no_page_extension",
             "a backup that never extends the row by a page leaves the next position past alloc_len (a hole)",
             _backup_build(backup_no_extension), _backup_render(backup_no_extension),
-            expect="counterexample", twin_of="backup_within_allocated",
+            expect="counterexample", twin_of="eager_backup_previous_token.backup_within_allocated",
         ),
         _obligation(
-            "backup_within_allocated.end_at_start",
+            "eager_backup_previous_token.backup_within_allocated.end_at_start",
             "rounding the page end from start instead of start + 1 does not extend the row at a page boundary",
             _backup_build(backup_end_at_start), _backup_render(backup_end_at_start),
-            expect="counterexample", twin_of="backup_within_allocated",
+            expect="counterexample", twin_of="eager_backup_previous_token.backup_within_allocated",
         ),
         _obligation(
-            "s7_vector",
+            "admit_request_into_staging.s7_vector",
             "S7 at P=64: staging 1000 tokens takes 16 pages (alloc_len 1024), backups of positions 1000-1023 none, "
             "position 1024 one (alloc_len 1088), release frees 17 pages; start=2000 would reserve page 17 for "
             "no requested position",
             _s7_build, _s7_render,
         ),
         _obligation(
-            "s7_vector.pre_23606_token_alloc",
+            "admit_request_into_staging.s7_vector.pre_23606_token_alloc",
             "the pre-#23606 coordinator's token-granular staging alloc(1000) and backup alloc(3) at P_h = 64 break "
             "the page rule",
-            _s7_pre_build, _s7_pre_render, expect="counterexample", twin_of="s7_vector",
+            _s7_pre_build, _s7_pre_render, expect="counterexample", twin_of="admit_request_into_staging.s7_vector",
         ),
     )
 

@@ -140,7 +140,7 @@ def _model(name: str) -> z3.ModelRef:
 
 def test_upstream_round_counterexample_crashes_the_reference() -> None:
     """The Z3 model of ``d1_upstream_round`` is a real S2-like run: the reference admits request 2 and crashes."""
-    values = spec.round_values(_model("decode_prealloc.d1_upstream_round"), spec.Policy.UPSTREAM, empty=True)
+    values = spec.round_values(_model("decode_prealloc.pop_preallocated.d1_upstream_round"), spec.Policy.UPSTREAM, empty=True)
     assert values["ok1"] and values["admit2"] and not values["swa_ok2"]
     result = _pop(values, dp.PreallocPolicy.UPSTREAM)
     assert result.rids == (1,)
@@ -151,7 +151,7 @@ def test_upstream_round_counterexample_crashes_the_reference() -> None:
 
 
 def test_s2_vector_matches_the_reference() -> None:
-    values = spec.round_values(_model("decode_prealloc.d1_s2_vector"), spec.Policy.UPSTREAM, empty=True)
+    values = spec.round_values(_model("decode_prealloc.pop_preallocated.d1_s2_vector"), spec.Policy.UPSTREAM, empty=True)
     assert (values["budget1_swa"], values["budget2_swa"], values["swa_pages2"]) == (320, 184, 3)
     result = _pop(values, dp.PreallocPolicy.UPSTREAM)
     assert result.crash is not None and result.crash.budgets == (1024, 184)
