@@ -269,7 +269,7 @@ def _free_swa_obligation(
         return _render_free_swa(geo, model, pre, idx, post)
 
     return Obligation(
-        f"free_swa.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.free_swa.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -434,7 +434,7 @@ def _tail_obligation(
         return _render_tail(geo, model, *parts(geo))
 
     return Obligation(
-        f"alloc_extend_swa_tail.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.alloc_extend_swa_tail.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -593,7 +593,7 @@ def _extend_obligation(
         return f"{head}: {_explain_extend(geo, pairs)} [{table}]"
 
     return Obligation(
-        f"alloc_extend.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.alloc_extend.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -609,13 +609,13 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     ),
     _free_swa_obligation(
         "clears_mapping.no_clear", "a free_swa that does not clear M leaves live-looking entries",
-        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample", twin_of="free_swa.clears_mapping",
+        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample", twin_of="swa_allocator.free_swa.clears_mapping",
     ),
     _free_swa_obligation(
         "clears_mapping.given_slots_only",
         "clearing only the given slots (0.5.12) leaves stale M on the rest of a touched page",
         clears_mapping, variant=FreeSwaVariant.GIVEN_SLOTS_ONLY, expect="counterexample",
-        twin_of="free_swa.clears_mapping",
+        twin_of="swa_allocator.free_swa.clears_mapping",
     ),
     _free_swa_obligation(
         "frees_exactly_mapped",
@@ -627,7 +627,7 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "frees_exactly_mapped.no_positive_filter",
         "without the M[f] > 0 filter an unmapped slot releases the reserved SWA page 0",
         frees_exactly_mapped, variant=FreeSwaVariant.NO_POSITIVE_FILTER, expect="counterexample",
-        twin_of="free_swa.frees_exactly_mapped",
+        twin_of="swa_allocator.free_swa.frees_exactly_mapped",
     ),
     _tail_obligation(
         "maps_exactly_tail",
@@ -638,23 +638,23 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "maps_exactly_tail.pre_25805",
         "without the non-tail clear (0.5.12) stale M survives on prefix slots, even with a nonempty tail",
         variant=TailVariant.PRE_25805, nonempty_tail=True, expect="counterexample",
-        twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.zero_tail_early_return",
         "SGLang's early return for swa_tail_len == 0 (R2) skips the clear",
         variant=TailVariant.ZERO_TAIL_EARLY_RETURN, expect="counterexample",
-        twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.one_slot_late",
         "a tail mapping that starts one slot late leaves the first tail position unmapped",
-        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample", twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample", twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.unaligned_tail",
         "without U1 a tail position lands on an SWA slot of another in-page offset",
-        aligned=False, expect="counterexample", twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        aligned=False, expect="counterexample", twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _extend_obligation(
         "maps_one_to_one",
@@ -664,11 +664,11 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _extend_obligation(
         "maps_one_to_one.unmapped_last_loc",
         "continuing a partial page from an unmapped last_loc writes into the reserved SWA page 0",
-        mapped_last_loc=False, expect="counterexample", twin_of="alloc_extend.maps_one_to_one",
+        mapped_last_loc=False, expect="counterexample", twin_of="swa_allocator.alloc_extend.maps_one_to_one",
     ),
     _extend_obligation(
         "maps_one_to_one.swa_fresh_sequence",
         "allocating the SWA side as a fresh sequence breaks the in-page offsets",
-        swa_fresh=True, expect="counterexample", twin_of="alloc_extend.maps_one_to_one",
+        swa_fresh=True, expect="counterexample", twin_of="swa_allocator.alloc_extend.maps_one_to_one",
     ),
 )

@@ -32,6 +32,7 @@ __all__ = ["OBLIGATIONS", "MAX_LEN", "MaskCase", "Load", "compress", "rank", "co
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_mask"
+NAME = f"{COMPONENT}.load_cpu_copy"
 MAX_LEN = 8  # every mask length n in 1..MAX_LEN is covered
 TWIN_LEN = 6  # broken twins look for counterexamples of at most this length
 
@@ -228,7 +229,7 @@ def _mask_obligation(
         return [*case.hypotheses(), *short, z3.Not(prop(case, make_load(case)))]
 
     return Obligation(
-        name=f"{FAMILY}.{name}",
+        name=f"{NAME}.{name}",
         component=COMPONENT,
         family=FAMILY,
         statement=statement,
@@ -250,7 +251,7 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "row_count_matches.legacy_row_mask",
         "the legacy row_mask = new_mask over a masked copy raises or filters the wrong number of rows",
         row_count_matches, make_load=load_legacy, expect="counterexample",
-        twin_of=f"{FAMILY}.row_count_matches",
+        twin_of=f"{NAME}.row_count_matches",
     ),
     _mask_obligation(
         "survives_iff_mapped_both",
@@ -263,12 +264,12 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "survives_iff_mapped_both.legacy_row_mask",
         "the legacy path (row_mask = new_mask, destinations t[new_mask]) misplaces rows of a masked copy",
         survives_iff_mapped_both, make_load=load_legacy, expect="counterexample",
-        twin_of=f"{FAMILY}.survives_iff_mapped_both",
+        twin_of=f"{NAME}.survives_iff_mapped_both",
     ),
     _mask_obligation(
         "survives_iff_mapped_both.no_row_mask",
         "loading all saved rows into t[new_mask] (no row_mask) puts rows on wrong slots",
         survives_iff_mapped_both, make_load=load_without_row_mask, expect="counterexample",
-        twin_of=f"{FAMILY}.survives_iff_mapped_both",
+        twin_of=f"{NAME}.survives_iff_mapped_both",
     ),
 )

@@ -34,6 +34,7 @@ __all__ = ["OBLIGATIONS", "TailVars"]
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_tail"
+NAME = f"{COMPONENT}.swa_tail_len"  # obligations are about reference.arith.swa_tail_len
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _tail_obligation(
         return [*v.hypotheses(), z3.Not(goal(v, formula(v)))]
 
     return Obligation(
-        name=f"{FAMILY}.{suffix}",
+        name=f"{NAME}.{suffix}",
         component=COMPONENT,
         family=FAMILY,
         statement=statement,
@@ -190,7 +191,7 @@ def _tail_obligation(
 
 def _twin(of: str, suffix: str, statement: str, goal: Goal, describe: Describe, formula: TailFormula) -> Obligation:
     return _tail_obligation(
-        f"{of}.{suffix}", statement, goal, describe, formula=formula, expect="counterexample", twin_of=f"{FAMILY}.{of}"
+        f"{of}.{suffix}", statement, goal, describe, formula=formula, expect="counterexample", twin_of=f"{NAME}.{of}"
     )
 
 

@@ -38,8 +38,14 @@ def test_every_twin_names_an_existing_sound_obligation() -> None:
     assert {ob.twin_of for ob in TWINS} <= sound_names
 
 
+def _families() -> set[str]:
+    """Every family module's FAMILY: a component module is its own family or lists its FAMILY_MODULES."""
+    modules = [m for c in spec.COMPONENT_MODULES.values() for m in getattr(c, "FAMILY_MODULES", (c,))]
+    return {m.FAMILY for m in modules}
+
+
 def test_fields_are_filled() -> None:
-    families = {module.FAMILY for module in spec.FAMILY_MODULES}
+    families = _families()
     for ob in OBLIGATIONS:
         assert ob.component in COMPONENTS
         assert ob.family in families
@@ -58,10 +64,12 @@ def test_every_module_has_a_docstring_citing_the_semantics(name: str) -> None:
     assert doc and "sglang_semantics.md" in doc, f"{name}: docstring must cite sglang_semantics.md"
 
 
-def test_family_modules_are_all_registered() -> None:
-    registered = {ob.name for module in spec.FAMILY_MODULES for ob in module.OBLIGATIONS}
-    assert registered == {ob.name for ob in OBLIGATIONS}
-    assert [ob.name for ob in OBLIGATIONS] == [ob.name for m in spec.FAMILY_MODULES for ob in m.OBLIGATIONS]
+def test_component_modules_are_all_registered() -> None:
+    assert tuple(spec.COMPONENT_MODULES) == tuple(COMPONENTS)
+    assert [ob.name for ob in OBLIGATIONS] == [ob.name for m in spec.COMPONENT_MODULES.values() for ob in m.OBLIGATIONS]
+    for component, module in spec.COMPONENT_MODULES.items():
+        assert module.__name__ == f"kvproof.spec.{component}"
+        assert all(ob.name.startswith(f"{component}.") and ob.component == component for ob in module.OBLIGATIONS)
 
 
 def test_obligations_filters() -> None:
@@ -74,10 +82,11 @@ def test_obligations_filters() -> None:
     assert set().union(*by_component) == set(OBLIGATIONS)
     assert sum(map(len, by_component)) == len(OBLIGATIONS)
     assert obligations(component="nope") == ()
-    tail = obligations(name_filter="swa_tail.")
-    assert tail and all("swa_tail." in ob.name for ob in tail)
-    assert [ob.name for ob in obligations(name_filter="swa_tail.upper_bound*")][0] == "swa_tail.upper_bound"
-    assert obligations(name_filter="s3_double_free")[0].name == "swa_allocator.s3_double_free"
+    tail = obligations(name_filter="swa_tail_len.")
+    assert tail and all("swa_tail_len." in ob.name for ob in tail)
+    assert [ob.name for ob in obligations(name_filter="swa_allocator.swa_tail_len.upper_bound*")][0] == (
+        "swa_allocator.swa_tail_len.upper_bound")
+    assert obligations(name_filter="s3_pre_25805")[0].name == "swa_allocator.no_double_free.bounded.s3_pre_25805"
 
 
 def _toy(expect: Expect, *facts: z3.BoolRef) -> Obligation:
