@@ -37,19 +37,19 @@ pages = st.integers(1, 128)
 
 
 @given(P=pages, M=st.integers(1, 10_000))
-def test_row_width_term(P: int, M: int) -> None:  # noqa: N803
+def test_row_width_term(P: int, M: int) -> None:
     assert value(spec.row_width_term(M, P)) == hh.row_width(M, P)
 
 
 @given(P=pages, a=st.integers(0, 5_000), start=st.integers(0, 5_000), n=st.integers(-3, 3_000))
-def test_allocation_terms(P: int, a: int, start: int, n: int) -> None:  # noqa: N803
+def test_allocation_terms(P: int, a: int, start: int, n: int) -> None:
     """Any ``a`` (the reference does not require H1 here), ``n <= 0`` included."""
     assert value(spec.allocated_len_after_term(a, start, n, P)) == hh.allocated_len_after(a, start, n, P)
     assert value(spec.host_new_pages_term(a, start, n, P)) == hh.host_new_pages(a, start, n, P)
 
 
 @given(P=pages, j=st.integers(0, 60), start=st.integers(0, 5_000), n=st.integers(-3, 3_000))
-def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:  # noqa: N803
+def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:
     """The explicit witness of H1: ``allocated_len_after(j*P, ...) == k*P``, and ``k - j`` pages are new."""
     k = value(spec.allocated_pages_after_term(j, start, n, P))
     assert k * P == hh.allocated_len_after(j * P, start, n, P)
@@ -57,14 +57,14 @@ def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:  # noqa
 
 
 @given(P=pages, data=st.data())
-def test_host_slot_term(P: int, data: st.DataObject) -> None:  # noqa: N803
+def test_host_slot_term(P: int, data: st.DataObject) -> None:
     row = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=12, unique=True))
     pos = data.draw(st.integers(0, len(row) * P - 1))
     assert value(spec.host_slot_term(spec.row_pages(row), pos, P)) == hh.host_slot(row, pos, P)
 
 
 @given(P=pages, x=st.integers(-5_000, 5_000), w=st.integers(-100, 100))
-def test_div_shift_facts_hold(P: int, x: int, w: int) -> None:  # noqa: N803
+def test_div_shift_facts_hold(P: int, x: int, w: int) -> None:
     assert all(value(f) for f in spec.div_shift_facts(x, w, P))
 
 
