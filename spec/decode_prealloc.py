@@ -118,8 +118,17 @@ from kvproof.spec.terms import (
 )
 
 __all__ = [
+    "ABSENT",
+    "FINISHED",
+    "N_SLOTS",
     "OBLIGATIONS",
+    "QUEUED",
+    "RETRACTED",
+    "RUNNING",
     "S2",
+    "STATUS",
+    "SYSTEM",
+    "Action",
     "Batch",
     "Budgets",
     "Gate",
@@ -127,21 +136,40 @@ __all__ = [
     "Policy",
     "Pools",
     "Req",
+    "RoundTerms",
     "RoundVars",
+    "Slot",
+    "State",
     "admission_gate_terms",
+    "arrive",
+    "batch_of",
     "batch_terms",
     "budgets_terms",
+    "ceil_step",
+    "cells",
     "clipped_term",
+    "columns",
+    "d1_hypotheses",
+    "decode",
+    "describe",
     "evict_mark_term",
     "fill_len_term",
+    "init",
+    "invariant_clauses",
+    "pop_preallocated",
     "prealloc_kv_lens_terms",
     "prealloc_pages_terms",
     "required_tokens_terms",
     "resident_low_term",
     "resume_gate_terms",
+    "resume_retracted_reqs",
     "resume_tail_start_term",
+    "retract",
+    "round_of",
     "round_values",
     "swa_retractable_len_term",
+    "system",
+    "tail_mark_term",
 ]
 
 COMPONENT = "decode_prealloc"
@@ -1360,7 +1388,7 @@ def system(n: int = N_SLOTS) -> _ts.TransitionSystem[State, Action]:
         invariant=invariant_clauses, columns=columns(n), cells=cells, describe=describe)
 
 
-SYSTEM = system()
+SYSTEM: _ts.TransitionSystem[State, Action] = system()
 """Every state-changing operation of ``kvproof.reference.decode_prealloc``, by its name, over two slots."""
 
 

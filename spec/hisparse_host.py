@@ -17,7 +17,7 @@ constants ``P``, the pool's pages, ``max_context_len`` and the coordinator (``PA
 the steps of seeded reference runs of both coordinators. Over it:
 
 * ``pool.initiation`` and ``<op>.keeps_pool`` for every state-changing op: H0-H3 on counts
-  and "the written prefix lies in the row" (:func:`host_invariant_clauses`) are inductive
+  and "the written prefix lies in the row" (:func:`invariant_clauses`) are inductive
   under #23606. Twins: a pool sized by the requested slot count (§4.2); the pre-#23606
   token-granular ``alloc(n)`` and staging (§4.7); ``alloc_page`` taking slots for pages;
   ``alloc_paged_token_slots`` without ``max(a, .)``; a release keeping the skip flag (H3);
@@ -87,15 +87,36 @@ from kvproof.spec.terms import IntLike, ceil_div_term, ceil_p_term, floor_p_term
 
 __all__ = [
     "OBLIGATIONS",
+    "R_SLOTS",
     "S7",
+    "SYSTEM",
+    "Action",
     "CallVars",
+    "Count",
+    "Row",
+    "State",
+    "admit_request_into_staging",
+    "alloc",
+    "alloc_page",
+    "alloc_paged_token_slots",
+    "allocated_host_indices",
     "allocated_len_after_term",
     "allocated_pages_after_term",
+    "cells",
+    "columns",
+    "describe",
     "div_shift_facts",
+    "eager_backup_previous_token",
+    "get_host_data",
     "host_new_pages_term",
     "host_slot_term",
+    "init",
+    "invariant_clauses",
+    "request_finished",
     "row_pages",
     "row_width_term",
+    "set_host_data",
+    "system",
 ]
 
 COMPONENT = "hisparse_host"
@@ -697,7 +718,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class HostState:
+class State:
     """Free slots, slots owned by no row, the rows; constants ``P``, the pool's pages, ``M``, the coordinator."""
 
     P: z3.ArithRef
@@ -709,9 +730,9 @@ class HostState:
     rows: tuple[Row, ...]
 
     @staticmethod
-    def fresh(tag: str, n: int = R_SLOTS) -> HostState:
+    def fresh(tag: str, n: int = R_SLOTS) -> State:
         """Variables ``name@tag``; the constants are the same symbols in every state."""
-        return HostState(z3.Int("P"), z3.Int("num_pages"), z3.Int("max_context_len"), z3.Bool("paged"),
+        return State(z3.Int("P"), z3.Int("num_pages"), z3.Int("max_context_len"), z3.Bool("paged"),
                          Count.fresh(f"free@{tag}"), Count.fresh(f"loose@{tag}"),
                          tuple(Row.fresh(f"{r}@{tag}") for r in range(n)))
 
@@ -728,7 +749,7 @@ class HostState:
 
 
 @dataclass(frozen=True)
-class HostAction:
+class Action:
     """An operation's arguments as the model reads them.
 
     ``req`` is the request slot; ``start`` / ``n`` are ``alloc_paged_token_slots``' (``n`` is also
@@ -747,9 +768,9 @@ class HostAction:
     count: z3.ArithRef
 
     @staticmethod
-    def fresh(tag: str, n: int = R_SLOTS) -> HostAction:
+    def fresh(tag: str, n: int = R_SLOTS) -> Action:
         t = f"_arg@{tag}"
-        return HostAction(z3.Int(f"req{t}"), z3.Int(f"start{t}"), z3.Int(f"n{t}"),
+        return Action(z3.Int(f"req{t}"), z3.Int(f"start{t}"), z3.Int(f"n{t}"),
                           tuple(z3.Bool(f"batch{r}{t}") for r in range(n)),
                           tuple(z3.Int(f"seq{r}{t}") for r in range(n)), tuple(z3.Int(f"upto{r}{t}") for r in range(n)),
                           z3.Int(f"count{t}"))
@@ -763,12 +784,12 @@ def _same_row(u: Row, v: Row) -> z3.BoolRef:
     return z3.And(v.alen.same(u.alen), v.skip == u.skip, v.filled == u.filled)
 
 
-def _valid_req(s: HostState, req: z3.ArithRef) -> z3.BoolRef:
+def _valid_req(s: State, req: z3.ArithRef) -> z3.BoolRef:
     """``_check_req``: a request slot indexes the table."""
     return z3.And(req >= 0, req < len(s.rows))
 
 
-def _at(s: HostState, req: z3.ArithRef, value: Callable[[int], z3.ExprRef]) -> z3.ExprRef:
+def _at(s: State, req: z3.ArithRef, value: Callable[[int], z3.ExprRef]) -> z3.ExprRef:
     """``value(r)`` of the row ``req`` (an ``If`` chain; ``req`` is a valid slot)."""
     term = value(len(s.rows) - 1)
     for r in reversed(range(len(s.rows) - 1)):
@@ -776,19 +797,19 @@ def _at(s: HostState, req: z3.ArithRef, value: Callable[[int], z3.ExprRef]) -> z
     return term
 
 
-def _one_row(s: HostState, t: HostState, req: z3.ArithRef, alen: Count, skip: z3.BoolRef | bool,
+def _one_row(s: State, t: State, req: z3.ArithRef, alen: Count, skip: z3.BoolRef | bool,
              filled: IntLike) -> list[z3.BoolRef]:
     """Row ``req`` becomes ``(alen, skip, filled)``, the others stay."""
     return [z3.If(req == r, _row_is(v, alen, skip, filled), _same_row(u, v))
             for r, (u, v) in enumerate(zip(s.rows, t.rows, strict=True))]
 
 
-def _row_count(s: HostState, req: z3.ArithRef) -> Count:
+def _row_count(s: State, req: z3.ArithRef) -> Count:
     """Row ``req``'s allocated length as a count."""
     return Count(_at(s, req, lambda r: s.rows[r].alen.pages), _at(s, req, lambda r: s.rows[r].alen.extra))
 
 
-def _pool(s: HostState, t: HostState, taken: Count | None = None, *, loose: bool = False,
+def _pool(s: State, t: State, taken: Count | None = None, *, loose: bool = False,
           returned: bool = False) -> list[z3.BoolRef]:
     """``taken`` slots leave the free list (``returned``: come back); ``loose``: the caller holds them (no row)."""
     if taken is None:
@@ -798,7 +819,7 @@ def _pool(s: HostState, t: HostState, taken: Count | None = None, *, loose: bool
     return [t.free.same(free), t.loose.same(held)]
 
 
-def alloc(s: HostState, a: HostAction, t: HostState, *, page_rule: bool = True) -> z3.BoolRef:
+def alloc(s: State, a: Action, t: State, *, page_rule: bool = True) -> z3.BoolRef:
     """``alloc(need_size)`` (§4.2): the first ``need_size`` free slots, whole pages only (the page rule), for
     the caller (no row holds them); ``OutOfMemory`` (no step) when short.
 
@@ -809,7 +830,7 @@ def alloc(s: HostState, a: HostAction, t: HostState, *, page_rule: bool = True) 
                   *(_same_row(u, v) for u, v in zip(s.rows, t.rows, strict=True)))
 
 
-def alloc_page(s: HostState, a: HostAction, t: HostState, *, whole_pages: bool = True) -> z3.BoolRef:
+def alloc_page(s: State, a: Action, t: State, *, whole_pages: bool = True) -> z3.BoolRef:
     """``alloc_page(k) = alloc(k * P_h)`` (§4.4).
 
     ``whole_pages=False`` is a broken twin: ``k`` slots instead of ``k`` pages, the page rule unchecked.
@@ -819,7 +840,7 @@ def alloc_page(s: HostState, a: HostAction, t: HostState, *, whole_pages: bool =
                   *(_same_row(u, v) for u, v in zip(s.rows, t.rows, strict=True)))
 
 
-def alloc_paged_token_slots(s: HostState, a: HostAction, t: HostState, *, keeps_held: bool = True
+def alloc_paged_token_slots(s: State, a: Action, t: State, *, keeps_held: bool = True
                             ) -> z3.BoolRef:
     """``alloc_paged_token_slots(req, start, n)`` (§4.4): nothing for ``n <= 0``; else ``start <= a`` (no
     hole), the rounded end within the row, and ``host_new_pages`` whole pages appended to the row.
@@ -841,7 +862,7 @@ def alloc_paged_token_slots(s: HostState, a: HostAction, t: HostState, *, keeps_
     return z3.And(_valid_req(s, a.req), z3.If(a.n <= 0, nothing, call))
 
 
-def request_finished(s: HostState, a: HostAction, t: HostState, *, clears_skip: bool = True) -> z3.BoolRef:
+def request_finished(s: State, a: Action, t: State, *, clears_skip: bool = True) -> z3.BoolRef:
     """``request_finished(req)`` (§4.5): the row's slots back to the free list, the row reset to -1, length 0,
     its skip flag cleared (H3).
 
@@ -852,7 +873,7 @@ def request_finished(s: HostState, a: HostAction, t: HostState, *, clears_skip: 
                   *_one_row(s, t, a.req, Count.whole(0), skip, 0))
 
 
-def set_host_data(s: HostState, a: HostAction, t: HostState, *, owned_only: bool = True) -> z3.BoolRef:
+def set_host_data(s: State, a: Action, t: State, *, owned_only: bool = True) -> z3.BoolRef:
     """``set_host_data(slots, values)``: the device-to-host copy into host slots some row owns (positions below
     the rows' allocated lengths); no slot moves; writes below ``upto`` may extend a row's written prefix up
     to ``upto`` (not past a gap they leave).
@@ -868,7 +889,7 @@ def set_host_data(s: HostState, a: HostAction, t: HostState, *, owned_only: bool
     return z3.And(facts)
 
 
-def admit_request_into_staging(s: HostState, a: HostAction, t: HostState, *, rounds_up: bool = True,
+def admit_request_into_staging(s: State, a: Action, t: State, *, rounds_up: bool = True,
                                copies: bool = True) -> z3.BoolRef:
     """``admit_request_into_staging(req, values)`` (§4.5): an empty row (H3), ``1 <= n <= max_context_len``;
     ``PAGED``: ``alloc_paged_token_slots(req, 0, n)`` (``ceil_P(n)`` slots), ``PRE_23606``: ``alloc(n)`` (the
@@ -888,7 +909,7 @@ def admit_request_into_staging(s: HostState, a: HostAction, t: HostState, *, rou
                   *_one_row(s, t, a.req, alen, True, n if copies else 0))
 
 
-def eager_backup_previous_token(s: HostState, a: HostAction, t: HostState, *, clears_skip: bool = True,
+def eager_backup_previous_token(s: State, a: Action, t: State, *, clears_skip: bool = True,
                                 pre_23606: bool = False) -> z3.BoolRef:
     """``eager_backup_previous_token(reqs, seq_lens, values)`` (§4.5): every entry is staged with a previous
     token (``seq_len >= 2``); an entry admitted since the last backup is skipped once; the others back up
@@ -921,7 +942,7 @@ def eager_backup_previous_token(s: HostState, a: HostAction, t: HostState, *, cl
     return z3.And(*facts, rule, taken.slots(s.P) <= s.avail, *_pool(s, t, taken))
 
 
-def allocated_host_indices(s: HostState, a: HostAction, t: HostState, *, compressed_len: bool = False
+def allocated_host_indices(s: State, a: Action, t: State, *, compressed_len: bool = False
                            ) -> z3.BoolRef:
     """The read ``allocated_host_indices(req)`` (§4.4): ``count`` = the row's valid slots; no state change.
 
@@ -932,7 +953,7 @@ def allocated_host_indices(s: HostState, a: HostAction, t: HostState, *, compres
                   *(_same_row(u, v) for u, v in zip(s.rows, t.rows, strict=True)))
 
 
-def get_host_data(s: HostState, a: HostAction, t: HostState) -> z3.BoolRef:
+def get_host_data(s: State, a: Action, t: State) -> z3.BoolRef:
     """The read ``get_host_data(slots)``: slots some row owns; a read within every row's written prefix returns
     no ``None`` (``count``: the ``None`` values); no state change."""
     owned = [z3.And(x >= 0, x <= s.alen(r)) for r, x in enumerate(a.upto)]
@@ -941,7 +962,7 @@ def get_host_data(s: HostState, a: HostAction, t: HostState) -> z3.BoolRef:
                   *(_same_row(u, v) for u, v in zip(s.rows, t.rows, strict=True)))
 
 
-def host_init(s: HostState) -> z3.BoolRef:
+def init(s: State) -> z3.BoolRef:
     """``initial_state``: ``num_pages * P`` slots all free (``from_requested_size`` rounds the requested size
     to whole pages), every row empty, no flag; the ``PAGED`` coordinator (#23606)."""
     rows = [z3.And(r.alen.pages == 0, r.alen.extra == 0, z3.Not(r.skip), r.filled == 0) for r in s.rows]
@@ -949,7 +970,7 @@ def host_init(s: HostState) -> z3.BoolRef:
                   s.loose.pages == 0, s.loose.extra == 0, *rows)
 
 
-def host_invariant_clauses(s: HostState) -> list[tuple[str, z3.BoolRef]]:
+def invariant_clauses(s: State) -> list[tuple[str, z3.BoolRef]]:
     """H0-H3 of §4.6 on slot counts, and the data clause, for the ``PAGED`` coordinator (#23606).
 
     H0: the free list and the slots direct ``alloc`` calls hold are whole pages. H1: each row's
@@ -976,11 +997,11 @@ def host_invariant_clauses(s: HostState) -> list[tuple[str, z3.BoolRef]]:
 # ---- rendering ------------------------------------------------------------------------------------------
 
 
-def host_columns(n: int = R_SLOTS) -> tuple[str, ...]:
+def columns(n: int = R_SLOTS) -> tuple[str, ...]:
     return ("P pages M", "free", "held by no row", *(f"row {r}" for r in range(n)))
 
 
-def host_cells(m: z3.ModelRef, s: HostState) -> tuple[str, ...]:
+def cells(m: z3.ModelRef, s: State) -> tuple[str, ...]:
     """A state's row: the constants, free slots, slots held by no row, each row as
     ``alloc_len A written F [skip]`` (slot counts; ``+e`` marks extra slots past whole pages)."""
     p = as_int(m, s.P)
@@ -999,7 +1020,7 @@ def host_cells(m: z3.ModelRef, s: HostState) -> tuple[str, ...]:
             *(row(r) for r in s.rows))
 
 
-def host_describe(m: z3.ModelRef, step: _ts.Step[HostState, HostAction]) -> str:
+def describe(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
     """The call of a step: ``alloc_paged_token_slots(req 0, start 4, n 1)``, ``eager_backup_previous_token(
     row 0 seq_len 6)``."""
     op, a = step.op_name(m), step.action
@@ -1022,27 +1043,27 @@ def host_describe(m: z3.ModelRef, step: _ts.Step[HostState, HostAction]) -> str:
     return f"{op}({touched})" + (f" -> {as_int(m, a.count)} None" if op == "get_host_data" else "")
 
 
-def host_system(n: int = R_SLOTS) -> _ts.TransitionSystem[HostState, HostAction]:
+def system(n: int = R_SLOTS) -> _ts.TransitionSystem[State, Action]:
     """The model with ``n`` request slots (every relation is written for any ``n``)."""
     return _ts.TransitionSystem(
-        component=COMPONENT, state=functools.partial(HostState.fresh, n=n),
-        action=functools.partial(HostAction.fresh, n=n), init=host_init,
+        component=COMPONENT, state=functools.partial(State.fresh, n=n),
+        action=functools.partial(Action.fresh, n=n), init=init,
         transitions={"alloc": alloc, "alloc_page": alloc_page, "alloc_paged_token_slots": alloc_paged_token_slots,
                      "request_finished": request_finished, "set_host_data": set_host_data,
                      "admit_request_into_staging": admit_request_into_staging,
                      "eager_backup_previous_token": eager_backup_previous_token,
                      "allocated_host_indices": allocated_host_indices, "get_host_data": get_host_data},
-        invariant=host_invariant_clauses, columns=host_columns(n), cells=host_cells, describe=host_describe)
+        invariant=invariant_clauses, columns=columns(n), cells=cells, describe=describe)
 
 
-SYSTEM = host_system()
+SYSTEM: _ts.TransitionSystem[State, Action] = system()
 """Every operation of ``kvproof.reference.hisparse_host`` (the reads included), by its name, over two rows."""
 
 
 # ---- obligations over the transitions --------------------------------------------------------------
 
 
-def _init_requested_size(s: HostState) -> z3.BoolRef:
+def _init_requested_size(s: State) -> z3.BoolRef:
     """Twin: the free list ``arange(size)`` for the requested size, not rounded to whole pages (§4.2)."""
     size = z3.Int("requested_size")
     rows = [z3.And(r.alen.pages == 0, r.alen.extra == 0, z3.Not(r.skip), r.filled == 0) for r in s.rows]
@@ -1050,8 +1071,8 @@ def _init_requested_size(s: HostState) -> z3.BoolRef:
                   s.loose.pages == 0, s.loose.extra == 0, *rows)
 
 
-def _consecution_at(system: _ts.TransitionSystem[HostState, HostAction], op: str,
-                    narrow: Callable[[HostState], Sequence[z3.BoolRef]]) -> _ts.Check:
+def _consecution_at(system: _ts.TransitionSystem[State, Action], op: str,
+                    narrow: Callable[[State], Sequence[z3.BoolRef]]) -> _ts.Check:
     """Consecution through ``op`` from invariant states that also satisfy ``narrow`` (a twin's search)."""
 
     def build() -> list[z3.BoolRef]:
@@ -1065,13 +1086,13 @@ def _consecution_at(system: _ts.TransitionSystem[HostState, HostAction], op: str
     return _ts.Check(build, render)
 
 
-def _whole_pages_read(system: _ts.TransitionSystem[HostState, HostAction]) -> _ts.Check:
+def _whole_pages_read(system: _ts.TransitionSystem[State, Action]) -> _ts.Check:
     """From an invariant state, ``allocated_host_indices`` returns whole pages (what ``request_finished`` frees)."""
-    def safe(step: _ts.Step[HostState, HostAction]) -> z3.BoolRef:
+    def safe(step: _ts.Step[State, Action]) -> z3.BoolRef:
         s, a = step.pre, step.action
         return a.count == _at(s, a.req, lambda r: s.rows[r].alen.pages) * s.P
 
-    def explain(m: z3.ModelRef, step: _ts.Step[HostState, HostAction]) -> str:
+    def explain(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
         p, count = as_int(m, step.pre.P), as_int(m, step.action.count)
         return (f"the read returns {count} = {count // p}*{p} + {count % p} slots: freeing them returns a partial "
                 f"page to the free list (H0)")
@@ -1079,7 +1100,7 @@ def _whole_pages_read(system: _ts.TransitionSystem[HostState, HostAction]) -> _t
     return _ts.safety(system, safe, explain, ["allocated_host_indices"])
 
 
-def _prefix_protocol(s: HostState, a: HostAction, *, after: bool) -> z3.BoolRef:
+def _prefix_protocol(s: State, a: Action, *, after: bool) -> z3.BoolRef:
     """H4 on data for the batch entries at ``seq_len`` (``after``: at the next call's ``seq_len + 1``): every
     position before the previous token is backed up, and a flagged row (skipped once) has the previous token
     too."""
@@ -1090,7 +1111,7 @@ def _prefix_protocol(s: HostState, a: HostAction, *, after: bool) -> z3.BoolRef:
     return z3.And(out)
 
 
-def _backs_up_prefix(system: _ts.TransitionSystem[HostState, HostAction]) -> _ts.Check:
+def _backs_up_prefix(system: _ts.TransitionSystem[State, Action]) -> _ts.Check:
     """``eager_backup_previous_token`` keeps :func:`_prefix_protocol` from one call to the next."""
 
     def build() -> list[z3.BoolRef]:
@@ -1110,7 +1131,7 @@ def _backs_up_prefix(system: _ts.TransitionSystem[HostState, HostAction]) -> _ts
     return _ts.Check(build, render)
 
 
-def _reads_staged(system: _ts.TransitionSystem[HostState, HostAction]) -> _ts.Check:
+def _reads_staged(system: _ts.TransitionSystem[State, Action]) -> _ts.Check:
     """From an invariant state, stage ``n`` values into a row, then read its positions ``[0, n)``: no ``None``."""
 
     def build() -> list[z3.BoolRef]:

@@ -3,7 +3,7 @@
 Seeded reference runs of ``kvproof.reference.hisparse_host`` (small host pools of both
 coordinators, two request slots: sglang_semantics.md §4) call every operation, the reads
 included, with mostly valid and some invalid arguments. Each step is abstracted into the
-model's state (:class:`kvproof.spec.hisparse_host.HostState`: free slots, slots held by no
+model's state (:class:`kvproof.spec.hisparse_host.State`: free slots, slots held by no
 row, per row its allocated length, skip flag and written prefix) and checked against the
 transition of the same name with concrete values in a fresh Z3 context; a call the reference
 rejects must have no successor in the model. Deliberately wrong transitions reject sampled
@@ -172,7 +172,7 @@ def _count(c: spec.Count, v: object) -> Pins:
     return [(c.pages, _value(pages)), (c.extra, _value(extra))]
 
 
-def state_pins(s: spec.HostState, v: Values) -> Pins:
+def state_pins(s: spec.State, v: Values) -> Pins:
     pins = [(s.P, _value(v["P"])), (s.num_pages, _value(v["num_pages"])), (s.M, _value(v["M"])),
             (s.paged, _value(v["paged"])), *_count(s.free, v["free"]), *_count(s.loose, v["loose"])]
     for row, values in zip(s.rows, v["rows"], strict=True):  # type: ignore[call-overload]
@@ -181,7 +181,7 @@ def state_pins(s: spec.HostState, v: Values) -> Pins:
     return pins
 
 
-def action_pins(a: spec.HostAction, v: Values) -> Pins:
+def action_pins(a: spec.Action, v: Values) -> Pins:
     """Every argument field: the sampled ones, 0 / False for the rest (so the relation closes)."""
     full = {"req": 0, "start": 0, "n": 0, "count": 0, "batch": [False] * SLOTS, "seq": [0] * SLOTS,
             "upto": [0] * SLOTS, **v}
@@ -192,13 +192,13 @@ def action_pins(a: spec.HostAction, v: Values) -> Pins:
 
 
 @functools.cache
-def _built(relation: Callable[[spec.HostState, spec.HostAction, spec.HostState], z3.BoolRef]
-           ) -> tuple[spec.HostState, spec.HostAction, spec.HostState, z3.BoolRef]:
+def _built(relation: Callable[[spec.State, spec.Action, spec.State], z3.BoolRef]
+           ) -> tuple[spec.State, spec.Action, spec.State, z3.BoolRef]:
     s, a, t = SYSTEM.state("pre"), SYSTEM.action("act"), SYSTEM.state("post")
     return s, a, t, relation(s, a, t)
 
 
-def evaluates(system: _ts.TransitionSystem[spec.HostState, spec.HostAction], sample: Sample) -> bool | None:
+def evaluates(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> bool | None:
     """The transition with every variable replaced by the sample's value, simplified: true, false, or None."""
     assert sample.post is not None
     s, a, t, relation = _built(system.transitions[sample.op])
@@ -207,7 +207,7 @@ def evaluates(system: _ts.TransitionSystem[spec.HostState, spec.HostAction], sam
     return True if z3.is_true(verdict) else False if z3.is_false(verdict) else None
 
 
-def accepts(system: _ts.TransitionSystem[spec.HostState, spec.HostAction], sample: Sample) -> _ts.Acceptance:
+def accepts(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> _ts.Acceptance:
     """Evaluated by substitution; a rejection (or a term that does not evaluate) is solved by the kit's ``accepts``,
     whose verdict names the conflicting facts."""
     if evaluates(system, sample):
