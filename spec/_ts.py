@@ -51,37 +51,37 @@ import z3
 from kvproof.spec._solver import Obligation, as_bool, as_int
 
 __all__ = [
+    "EVERYTHING",
+    "Acceptance",
+    "Check",
     "Clause",
     "Relation",
+    "Search",
+    "Step",
+    "Target",
+    "Trace",
+    "TraceRow",
     "TransitionSystem",
     "TransitionSystemError",
-    "Step",
-    "Search",
-    "EVERYTHING",
     "Unrolling",
-    "Target",
-    "invariant_broken",
-    "bmc",
-    "shortest_bmc",
-    "find_trace",
-    "witness",
-    "TraceRow",
-    "Trace",
-    "trace_of",
-    "step_table",
-    "Check",
-    "initiation",
-    "consecution",
-    "safety",
-    "bounded",
-    "reachable",
-    "obligation",
-    "Acceptance",
     "accepts",
+    "bmc",
+    "bounded",
+    "consecution",
+    "find_trace",
+    "first_broken",
+    "initiation",
+    "invariant_broken",
+    "obligation",
+    "reachable",
+    "safety",
+    "shortest_bmc",
+    "step_table",
     "terms_of",
+    "trace_of",
     "unchanged",
     "unchanged_except",
-    "first_broken",
+    "witness",
 ]
 
 S = TypeVar("S")
@@ -143,12 +143,12 @@ def unchanged_except(pre: object, post: object, *written: str) -> list[z3.BoolRe
 
 
 def _is_variable(term: z3.ExprRef) -> bool:
-    return z3.is_const(term) and term.decl().kind() == z3.Z3_OP_UNINTERPRETED
+    return bool(z3.is_const(term) and term.decl().kind() == z3.Z3_OP_UNINTERPRETED)
 
 
 def _plain_name(term: z3.ExprRef) -> str:
     """A variable's name without its ``@tag``: ``M_4@3`` -> ``M_4``."""
-    return term.decl().name().split("@", 1)[0]
+    return str(term.decl().name()).split("@", 1)[0]
 
 
 # ---- the system --------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def part_shapes(v: ExtendVars, n: Parts) -> z3.BoolRef:
     """n2 is a multiple of P, witnessed by the part-2 page count (robust for every solver seed)."""
     n1, n2, n3 = n
     k = part2_pages_term(v.p, v.s, v.P)
-    return z3.And(0 <= n1, n1 < v.P, n2 >= 0, n2 == k * v.P, 0 <= n3, n3 < v.P)
+    return z3.And(n1 >= 0, n1 < v.P, n2 >= 0, n2 == k * v.P, n3 >= 0, n3 < v.P)
 
 
 def explain_part_shapes(x: PartsValues) -> str:
@@ -290,7 +290,7 @@ def batch_extend_tokens(a: ExtendVars, b: ExtendVars) -> z3.ArithRef:
 
 
 def _kernel_pages(v: ExtendVars) -> z3.ArithRef:
-    n1, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
+    _, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
     return new_pages_of_parts(n2, n3, v.P)
 
 
@@ -328,7 +328,8 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
 
 OBLIGATIONS: tuple[Obligation, ...] = (
     _request_obligation(
-        "swa_allocator.alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum, explain_parts_sum
+        "swa_allocator.alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum,
+        explain_parts_sum,
     ),
     _request_obligation(
         "swa_allocator.alloc_extend.parts_sum.no_early_return",
@@ -355,7 +356,8 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _request_obligation(
         "swa_allocator.alloc_extend.new_pages.extend_len_over_p",
         "the page count is not ceil((s - p)/P)",
-        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample", twin_of="swa_allocator.alloc_extend.new_pages",
+        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample",
+        twin_of="swa_allocator.alloc_extend.new_pages",
         division_facts=True,
     ),
     _request_obligation(

@@ -84,8 +84,8 @@ def test_obligations_filters() -> None:
     assert obligations(component="nope") == ()
     tail = obligations(name_filter="swa_tail_len.")
     assert tail and all("swa_tail_len." in ob.name for ob in tail)
-    assert [ob.name for ob in obligations(name_filter="swa_allocator.swa_tail_len.upper_bound*")][0] == (
-        "swa_allocator.swa_tail_len.upper_bound")
+    upper = obligations(name_filter="swa_allocator.swa_tail_len.upper_bound*")
+    assert upper[0].name == "swa_allocator.swa_tail_len.upper_bound"
     assert obligations(name_filter="s3_pre_25805")[0].name == "swa_allocator.no_double_free.bounded.s3_pre_25805"
 
 
