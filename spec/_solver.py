@@ -1,8 +1,8 @@
 """Obligation machinery: one claim, one fresh solver, one verdict.
 
-Every family module (``swa_tail``, ``page_arith``, ``swa_mask``, ``swa_mapping``,
-``swa_s3``) states its claims about sglang_semantics.md (§1.3, §1.5, §2.3, §2.7,
-§2.8, §7, §9) as :class:`Obligation` values. An obligation's ``build`` returns the
+Every component module (``kvproof.spec.<component>``, and the family modules it
+gathers) states its claims about sglang_semantics.md (§1-§4, §7, §9) as
+:class:`Obligation` values, named ``<component>.<op or invariant>.<claim>``. An obligation's ``build`` returns the
 hypotheses together with the *negated* goal, so
 
 * ``unsat`` means the claim is **proved** (no counterexample exists);
@@ -52,7 +52,7 @@ _ARTEFACTS = frozenset({"div0", "mod0", "/0", "%0"})
 
 @dataclass(frozen=True)
 class Obligation:
-    """One claim about the SWA allocator, checkable by a single solver call.
+    """One claim about a component, checkable by a single solver call.
 
     ``build`` returns facts whose conjunction is UNSAT exactly when the claim
     holds (hypotheses plus the negated goal). ``render`` turns a model of those

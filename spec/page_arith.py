@@ -16,6 +16,9 @@ Broken twins: the "extend length over P" page count, no ``min(s, .)`` clamp on
 part 1, no early return after part 1, part 1 running to the *next* boundary, the
 decode tests ``s mod P == 0`` and ``s mod P == 1`` (the latter wrong for ``P = 1``),
 and a batch estimate from the total extend length.
+
+Obligations are named after the op: ``swa_allocator.alloc_extend.*``,
+``swa_allocator.alloc_decode.*``.
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ RequestGoal = Callable[[ExtendVars, Parts], z3.BoolRef]
 def _division_facts(v: ExtendVars, n: Parts) -> list[z3.BoolRef]:
     """``P*(x div P) <= x < P*(x div P) + P`` for each quotient the goals use (true for ``P >= 1``).
 
-    Z3 knows these axioms, but stating the instances makes ``alloc_extend.new_pages``
+    Z3 knows these axioms, but stating the instances makes ``swa_allocator.alloc_extend.new_pages``
     independent of its random seed (``tests/spec/test_robustness.py``: seed 1 took 2-10 s
     without them); being true, they cannot hide a counterexample. Other goals do not get
     them: the extra terms slow ``part1_in_last_page`` down to a timeout.
@@ -299,7 +302,7 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
     """Request 2's pages start where request 1's end; the batch total equals ``count``.
 
     Compositional: each request's page count is taken from the proved single-request
-    lemma ``alloc_extend.new_pages`` (restating its division terms for two requests
+    lemma ``swa_allocator.alloc_extend.new_pages`` (restating its division terms for two requests
     at once only makes the non-linear search harder). A broken twin searches small
     numbers only (``P <= 4``, ``s_i <= 8``): any counterexample refutes it, and small
     ones read better and are found reliably.

@@ -21,6 +21,9 @@ Broken twins: ``free_swa`` without clearing M, clearing only the given slots
 allocation (stale M on the prefix), SGLang's early return for an empty tail (R2),
 a tail mapped one slot late, a tail without U1; ``alloc_extend`` continuing from an
 unmapped ``last_loc``, and an SWA side allocated as a fresh sequence.
+
+Obligations are named after the op: ``swa_allocator.free_swa.*``,
+``swa_allocator.alloc_extend_swa_tail.*``, ``swa_allocator.alloc_extend.*``.
 """
 
 from __future__ import annotations

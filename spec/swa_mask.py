@@ -17,6 +17,9 @@ quantifier-free with prefix counts (``rank``) as If-sums.
 Broken twins: the legacy path (``row_mask = new_mask``, destinations ``t[new_mask]``,
 ignoring ``old_mask``) and a load that drops ``row_mask`` (all saved rows into
 ``t[new_mask]``).
+
+Obligations are named ``swa_allocator.load_cpu_copy.<claim>[.<twin>]`` (the copy's mask is
+``get_cpu_copy``'s, the claims are about what the load writes).
 """
 
 from __future__ import annotations
