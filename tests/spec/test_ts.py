@@ -58,6 +58,7 @@ SYSTEM: TransitionSystem[Counter, By] = TransitionSystem(
     transitions={"inc": inc, "reset": reset},
     invariant=lambda s: [("c >= 0", s.c >= 0), ("c <= 3", s.c <= 3)],
     columns=("c", "flag"), cells=cells,
+    step_columns=("by",), step_cells=lambda m, step: (str(as_int(m, step.action.amount)),),
     describe=lambda m, step: f"{step.op_name(m)}({as_int(m, step.action.amount)})",
 )
 BROKEN = SYSTEM.with_transitions(inc=inc_unguarded)
@@ -87,7 +88,9 @@ def test_bmc_finds_the_shortest_run_and_renders_it_as_a_table() -> None:
     assert trace.violation == "step 4: c reaches 4"
     assert [row.values["c"] for row in trace.rows] == [0, 1, 2, 3, 4]
     header = trace.table().splitlines()[0]
-    assert header.split(" | ") == ["step", "op(arguments)", "c", "flag"]
+    assert header.split(" | ") == ["step", "op(arguments)", "by", "c", "flag"]
+    first = [cell.strip() for cell in trace.table().splitlines()[2].split(" | ")]
+    assert first[:3] == ["0", "init", "-"], "no step led to the first state"
 
 
 def test_reachable_and_bounded_checks() -> None:
