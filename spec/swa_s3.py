@@ -918,11 +918,11 @@ def cells(model: z3.ModelRef, s: State) -> tuple[str, ...]:
     """A state as table cells; the optional columns (backup, rows, copy) are ``""`` when empty."""
     live = [(x, as_int(model, s.full_owner[x // P])) for x in REAL_SLOTS if as_bool(model, s.live[x])]
     backup = ""
-    if as_bool(model, s.backup):
+    if as_bool(model, s.bk_held):
         bk_live = [x for x in REAL_SLOTS if as_bool(model, s.bk_live[x])]
         bk_full, bk_swa = _ints(_free_pages(model, s.bk_full_free)), _ints(_free_pages(model, s.bk_swa_free))
-        backup = (f"full free {bk_full}; SWA free {bk_swa}; "
-                  f"live {_ints(bk_live)}")
+        stale = "" if as_bool(model, s.backup) else " (stale: released since)"
+        backup = f"full free {bk_full}; SWA free {bk_swa}; live {_ints(bk_live)}{stale}"
     copy = ""
     if (n := as_int(model, s.copy_len)) > 0:
         mask = [as_bool(model, b) for b in s.copy_mask[:n]]
