@@ -1,4 +1,4 @@
-"""``kvproof.spec``: Z3 proof obligations and transition systems, one module per component (sglang_semantics.md §1-§4, §7, §9).
+"""``kvproof.spec``: Z3 obligations and transition systems, one module per component (sglang_semantics.md §1-§9).
 
 Each component ``c`` has one module ``kvproof.spec.<c>`` exporting ``OBLIGATIONS``
 (every obligation of the component, each named ``<c>.<op>.<claim>`` or

@@ -29,6 +29,14 @@ Frame conditions are explicit: a relation states every field of the post-state,
 usually with :func:`unchanged` / :func:`unchanged_except` for the fields it does not
 write. The kit imports z3 and the standard library only (``kvproof.spec`` is a leaf).
 
+Cost: a step over several ops is by default the disjunction of their relations. A
+model may pass ``combine`` to build that step more cheaply (ops sharing one formula,
+or effect-style ops ``(guard, post-state terms)`` sharing one frame of ``If`` chains);
+it must agree with ``transitions`` op by op (test it), and single-op steps always use
+``transitions[op]``. :meth:`TransitionSystem.with_transitions` swaps a relation (a
+twin's broken op); :meth:`Check.also` adds facts (a twin's readability pins, or a
+lemma another obligation proves).
+
 A minimal system::
 
     SYSTEM = TransitionSystem(
@@ -51,37 +59,37 @@ import z3
 from kvproof.spec._solver import Obligation, as_bool, as_int
 
 __all__ = [
+    "EVERYTHING",
+    "Acceptance",
+    "Check",
     "Clause",
     "Relation",
+    "Search",
+    "Step",
+    "Target",
+    "Trace",
+    "TraceRow",
     "TransitionSystem",
     "TransitionSystemError",
-    "Step",
-    "Search",
-    "EVERYTHING",
     "Unrolling",
-    "Target",
-    "invariant_broken",
-    "bmc",
-    "shortest_bmc",
-    "find_trace",
-    "witness",
-    "TraceRow",
-    "Trace",
-    "trace_of",
-    "step_table",
-    "Check",
-    "initiation",
-    "consecution",
-    "safety",
-    "bounded",
-    "reachable",
-    "obligation",
-    "Acceptance",
     "accepts",
+    "bmc",
+    "bounded",
+    "consecution",
+    "find_trace",
+    "first_broken",
+    "initiation",
+    "invariant_broken",
+    "obligation",
+    "reachable",
+    "safety",
+    "shortest_bmc",
+    "step_table",
     "terms_of",
+    "trace_of",
     "unchanged",
     "unchanged_except",
-    "first_broken",
+    "witness",
 ]
 
 S = TypeVar("S")
@@ -143,12 +151,12 @@ def unchanged_except(pre: object, post: object, *written: str) -> list[z3.BoolRe
 
 
 def _is_variable(term: z3.ExprRef) -> bool:
-    return z3.is_const(term) and term.decl().kind() == z3.Z3_OP_UNINTERPRETED
+    return bool(z3.is_const(term) and term.decl().kind() == z3.Z3_OP_UNINTERPRETED)
 
 
 def _plain_name(term: z3.ExprRef) -> str:
     """A variable's name without its ``@tag``: ``M_4@3`` -> ``M_4``."""
-    return term.decl().name().split("@", 1)[0]
+    return str(term.decl().name()).split("@", 1)[0]
 
 
 # ---- the system --------------------------------------------------------------------------------------------
@@ -159,6 +167,10 @@ def _no_clauses(state: Any) -> Sequence[Clause]:
 
 
 def _no_cells(model: z3.ModelRef, state: Any) -> tuple[str, ...]:
+    return ()
+
+
+def _no_step_cells(model: z3.ModelRef, step: Step[Any, Any]) -> tuple[str, ...]:
     return ()
 
 
@@ -178,6 +190,8 @@ class TransitionSystem(Generic[S, A]):
     * ``columns`` / ``cells(model, s)``: a state as table cells (a cell that is ``""``
       in every row of a trace drops its column);
     * ``describe(model, step)``: the call of a step with its arguments and effect;
+    * ``step_columns`` / ``step_cells(model, step)``: optional cells about the step
+      itself (what it read, say), shown between the call and the state after it;
     * ``combine(step, ops)``: optional; the step relation over several ops at once
       (e.g. one shared frame with ``If`` chains), by default the disjunction of the
       relations; must agree with ``transitions`` op by op.
@@ -192,6 +206,8 @@ class TransitionSystem(Generic[S, A]):
     columns: tuple[str, ...] = ()
     cells: Callable[[z3.ModelRef, S], tuple[str, ...]] = _no_cells
     describe: Callable[[z3.ModelRef, Step[S, A]], str] = _op_only
+    step_columns: tuple[str, ...] = ()
+    step_cells: Callable[[z3.ModelRef, Step[S, A]], tuple[str, ...]] = _no_step_cells
     combine: Callable[[Step[S, A], tuple[str, ...]], z3.BoolRef] | None = None
 
     def __post_init__(self) -> None:
@@ -452,7 +468,8 @@ def witness(system: TransitionSystem[S, A], ops: Sequence[str], *, search: Searc
 
 @dataclass(frozen=True)
 class TraceRow:
-    """One row of a trace: the call of a step and the state after it.
+    """One row of a trace: the call of a step, its own cells and the state after it (``cells``: the system's
+    step cells, then its state cells).
 
     ``values`` holds the state's variables by name without their ``@tag`` (for tests:
     ``row.values["swa_free_2"]``).
@@ -494,28 +511,40 @@ def _values(system: TransitionSystem[S, A], model: z3.ModelRef, s: S) -> dict[st
     return out
 
 
-def _row(system: TransitionSystem[S, A], model: z3.ModelRef, s: S, number: int, op: str, call: str) -> TraceRow:
-    return TraceRow(number, op, call, system.cells(model, s), _values(system, model, s))
+def _columns(system: TransitionSystem[Any, Any]) -> tuple[str, ...]:
+    return (*system.step_columns, *system.columns)
+
+
+def _start(system: TransitionSystem[S, A], model: z3.ModelRef, s: S, label: str) -> TraceRow:
+    """The row of a run's first state (no step led to it)."""
+    blank = ("",) * len(system.step_columns)
+    return TraceRow(0, label, label, (*blank, *system.cells(model, s)), _values(system, model, s))
+
+
+def _row(system: TransitionSystem[S, A], model: z3.ModelRef, step: Step[S, A]) -> TraceRow:
+    """The row of a step: its call, its own cells, and the state after it."""
+    cells = (*system.step_cells(model, step), *system.cells(model, step.post))
+    return TraceRow(step.index + 1, step.op_name(model), system.describe(model, step), cells,
+                    _values(system, model, step.post))
 
 
 def trace_of(system: TransitionSystem[S, A], model: z3.ModelRef, target: Target[S, A] | None = None, *,
              start: str = "init") -> Trace:
     """The run in a model of an :class:`Unrolling`'s facts, up to the first step where ``target`` goes wrong."""
     u = Unrolling.fresh(system, Unrolling.depth_of(model))
-    rows = [_row(system, model, u.states[0], 0, start, start)]
+    rows = [_start(system, model, u.states[0], start)]
     for step in u.steps():
-        rows.append(_row(system, model, step.post, step.index + 1, step.op_name(model), system.describe(model, step)))
+        rows.append(_row(system, model, step))
         if target is not None and as_bool(model, target.bad(step)):
-            return Trace(system.columns, tuple(rows), target.explanation(model, step))
-    return Trace(system.columns, tuple(rows))
+            return Trace(_columns(system), tuple(rows), target.explanation(model, step))
+    return Trace(_columns(system), tuple(rows))
 
 
 def step_table(system: TransitionSystem[S, A], model: z3.ModelRef, step: Step[S, A], verdict: str, *,
                start: str = "(any invariant state)") -> str:
     """A single step from an arbitrary state as a two-row table, with the verdict under it."""
-    rows = (_row(system, model, step.pre, 0, start, start),
-            _row(system, model, step.post, 1, step.op_name(model), system.describe(model, step)))
-    return Trace(system.columns, rows, verdict).table()
+    rows = (_start(system, model, step.pre, start), _row(system, model, step))
+    return Trace(_columns(system), rows, verdict).table()
 
 
 # ---- checks: induction and BMC as solver facts ------------------------------------------------------------
@@ -549,8 +578,8 @@ def initiation(system: TransitionSystem[S, A]) -> Check:
 
     def render(model: z3.ModelRef) -> str:
         s = system.state("0")
-        row = _row(system, model, s, 0, "init", "init")
-        return Trace(system.columns, (row,), f"broken: {first_broken(system, model, s)}").table()
+        row = _start(system, model, s, "init")
+        return Trace(_columns(system), (row,), f"broken: {first_broken(system, model, s)}").table()
 
     return Check(build, render)
 

@@ -16,6 +16,9 @@ Broken twins: the "extend length over P" page count, no ``min(s, .)`` clamp on
 part 1, no early return after part 1, part 1 running to the *next* boundary, the
 decode tests ``s mod P == 0`` and ``s mod P == 1`` (the latter wrong for ``P = 1``),
 and a batch estimate from the total extend length.
+
+Obligations are named after the op: ``swa_allocator.alloc_extend.*``,
+``swa_allocator.alloc_decode.*``.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def part_shapes(v: ExtendVars, n: Parts) -> z3.BoolRef:
     """n2 is a multiple of P, witnessed by the part-2 page count (robust for every solver seed)."""
     n1, n2, n3 = n
     k = part2_pages_term(v.p, v.s, v.P)
-    return z3.And(0 <= n1, n1 < v.P, n2 >= 0, n2 == k * v.P, 0 <= n3, n3 < v.P)
+    return z3.And(n1 >= 0, n1 < v.P, n2 >= 0, n2 == k * v.P, n3 >= 0, n3 < v.P)
 
 
 def explain_part_shapes(x: PartsValues) -> str:
@@ -198,7 +201,7 @@ RequestGoal = Callable[[ExtendVars, Parts], z3.BoolRef]
 def _division_facts(v: ExtendVars, n: Parts) -> list[z3.BoolRef]:
     """``P*(x div P) <= x < P*(x div P) + P`` for each quotient the goals use (true for ``P >= 1``).
 
-    Z3 knows these axioms, but stating the instances makes ``alloc_extend.new_pages``
+    Z3 knows these axioms, but stating the instances makes ``swa_allocator.alloc_extend.new_pages``
     independent of its random seed (``tests/spec/test_robustness.py``: seed 1 took 2-10 s
     without them); being true, they cannot hide a counterexample. Other goals do not get
     them: the extra terms slow ``part1_in_last_page`` down to a timeout.
@@ -290,7 +293,7 @@ def batch_extend_tokens(a: ExtendVars, b: ExtendVars) -> z3.ArithRef:
 
 
 def _kernel_pages(v: ExtendVars) -> z3.ArithRef:
-    n1, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
+    _, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
     return new_pages_of_parts(n2, n3, v.P)
 
 
@@ -299,7 +302,7 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
     """Request 2's pages start where request 1's end; the batch total equals ``count``.
 
     Compositional: each request's page count is taken from the proved single-request
-    lemma ``alloc_extend.new_pages`` (restating its division terms for two requests
+    lemma ``swa_allocator.alloc_extend.new_pages`` (restating its division terms for two requests
     at once only makes the non-linear search harder). A broken twin searches small
     numbers only (``P <= 4``, ``s_i <= 8``): any counterexample refutes it, and small
     ones read better and are found reliably.
@@ -328,7 +331,8 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
 
 OBLIGATIONS: tuple[Obligation, ...] = (
     _request_obligation(
-        "swa_allocator.alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum, explain_parts_sum
+        "swa_allocator.alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum,
+        explain_parts_sum,
     ),
     _request_obligation(
         "swa_allocator.alloc_extend.parts_sum.no_early_return",
@@ -355,7 +359,8 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _request_obligation(
         "swa_allocator.alloc_extend.new_pages.extend_len_over_p",
         "the page count is not ceil((s - p)/P)",
-        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample", twin_of="swa_allocator.alloc_extend.new_pages",
+        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample",
+        twin_of="swa_allocator.alloc_extend.new_pages",
         division_facts=True,
     ),
     _request_obligation(

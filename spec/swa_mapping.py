@@ -21,6 +21,9 @@ Broken twins: ``free_swa`` without clearing M, clearing only the given slots
 allocation (stale M on the prefix), SGLang's early return for an empty tail (R2),
 a tail mapped one slot late, a tail without U1; ``alloc_extend`` continuing from an
 unmapped ``last_loc``, and an SWA side allocated as a fresh sequence.
+
+Obligations are named after the op: ``swa_allocator.free_swa.*``,
+``swa_allocator.alloc_extend_swa_tail.*``, ``swa_allocator.alloc_extend.*``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import z3
 from kvproof.spec._solver import Expect, Obligation, as_bool, as_int
 from kvproof.spec.terms import ceil_p_term, extend_parts_terms
 
-__all__ = ["OBLIGATIONS", "Geometry", "GEOMETRIES", "Mapping", "free_swa", "alloc_extend_swa_tail", "alloc_extend"]
+__all__ = ["GEOMETRIES", "OBLIGATIONS", "Geometry", "Mapping", "alloc_extend", "alloc_extend_swa_tail", "free_swa"]
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_mapping"
@@ -317,7 +320,7 @@ class TailRequest:
         swa = [z3.Implies(i < n_swa, z3.And(geo.real_page(q), pick(pre.swa_free, q, False)))
                for i, q in enumerate(self.swa_pages)]
         return [
-            0 <= self.p, self.p <= self.s, self.s <= geo.max_tokens, 0 <= self.t, self.t <= self.s - self.p,
+            self.p >= 0, self.p <= self.s, self.s <= geo.max_tokens, self.t >= 0, self.t <= self.s - self.p,
             *([(self.s - self.t) % P == 0] if aligned else []),  # U1
             distinct_when([self.new(j) for j in range(len(self.F))], self.F), *full,
             distinct_when([i < n_swa for i in range(len(self.swa_pages))], self.swa_pages), *swa,
@@ -533,7 +536,7 @@ def extend_hypotheses(
         # the continued full page is not among the fresh ones
         *[z3.Implies(z3.And(continues, i < n_new), page != req.last_loc / P) for i, page in enumerate(req.full_pages)],
     ]
-    return [0 <= req.p, req.p <= req.s, req.s <= geo.max_tokens, *fresh, *last]
+    return [req.p >= 0, req.p <= req.s, req.s <= geo.max_tokens, *fresh, *last]
 
 
 def maps_one_to_one(
@@ -609,7 +612,8 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     ),
     _free_swa_obligation(
         "clears_mapping.no_clear", "a free_swa that does not clear M leaves live-looking entries",
-        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample", twin_of="swa_allocator.free_swa.clears_mapping",
+        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample",
+        twin_of="swa_allocator.free_swa.clears_mapping",
     ),
     _free_swa_obligation(
         "clears_mapping.given_slots_only",
@@ -649,7 +653,8 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _tail_obligation(
         "maps_exactly_tail.one_slot_late",
         "a tail mapping that starts one slot late leaves the first tail position unmapped",
-        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample", twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
+        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.unaligned_tail",

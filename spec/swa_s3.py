@@ -1,4 +1,6 @@
-"""The bounded model of the SWA composite allocator, scenario S3 and the safety proof (sglang_semantics.md §1.3-§1.6, §2.7, §2.8, §2.11 R1 R3 R7, §7 G3 M1-M5, §9 S3 S4).
+"""The bounded SWA composite allocator: one transition per op, S3, the safety induction (sglang_semantics.md §1.3-§2.8).
+
+Semantics cited: §1.3-§1.6, §2.7, §2.8, §2.11 R1 R3 R7, §7 G3 M1-M5, §9 S3 S4.
 
 One :class:`~kvproof.spec._ts.TransitionSystem` (:data:`SYSTEM`) with a transition
 for **every** state-changing operation of ``kvproof.reference.swa_allocator``, each
@@ -41,16 +43,17 @@ or still mapped from a live full slot, and none is handed out while mapped from 
 live full slot (aliasing). Obligations (``swa_allocator.no_double_free.*``):
 
 * ``.bounded.s3_pre_25805`` (broken twin): the pre-#25805 model reaches the S3 event,
-  ``free_swa`` releasing an SWA page a live full slot still maps to, by BMC
-  (iterative deepening up to 6 steps): backup_state -> an allocation ->
-  restore_state (R3: M keeps the draft's entries) -> ``alloc_extend_swa_tail``
-  reusing the page with its stale M (R1) -> ``free_swa``;
+  ``free_swa`` releasing an SWA page a live full slot still maps to, in a 5-step run
+  from ``clear()`` (BMC over the draft ops, :data:`DRAFTS`): backup_state -> an
+  allocation -> restore_state (R3: M keeps the draft's entries) ->
+  ``alloc_extend_swa_tail`` reusing the page with its stale M (R1) -> ``free_swa``;
 * ``.{initiation,consecution,safety}``: the post-#25805 model is safe for runs of any
   length, by the inductive invariant "M2 as maintained" (on live slots: the mapped
   SWA page is allocated to the same owner, same in-page offset, distinct values, one
   SWA page per full page; every owned SWA page is mapped from a live slot, G3) plus
   the page bookkeeping and, while a backup is valid, the same for the state a
-  restore would produce; ``.bounded``: no unsafe step within 3 steps of ``clear()``;
+  restore would produce (:func:`backup_clauses`); ``.bounded``: no unsafe step within 3
+  steps of ``clear()`` (BMC over the ops that change the allocator, :data:`POOL`);
 * twins: the pre-#25805 tail allocation breaks consecution; "M2 as intended" is
   broken by backup/allocate/restore after ``clear()`` (R3); an invariant without the
   page-locality clause does not imply safety; a ``clear()`` that forgets M breaks
@@ -85,29 +88,37 @@ from kvproof.spec._ts import Check, Clause, Search, Step, Target, TransitionSyst
 from kvproof.spec.swa_mask import compress
 
 __all__ = [
-    "OBLIGATIONS",
-    "SYSTEM",
-    "SEARCH",
-    "P",
-    "PAGES",
-    "REAL_SLOTS",
-    "MAX_SEQ",
+    "ALLOCATIONS",
     "ARGS",
-    "MAX_DEPTH",
-    "OPS",
-    "Variant",
+    "DRAFTS",
     "FIXED",
-    "PRE_25805",
-    "State",
-    "Action",
-    "system",
-    "init",
-    "invariant_clauses",
-    "intended_clauses",
-    "safe_step",
-    "S3_EVENT",
-    "UNSAFE",
     "M2_INTENDED_BROKEN",
+    "MAPPED",
+    "MAX_SEQ",
+    "OBLIGATIONS",
+    "OPS",
+    "PAGES",
+    "POOL",
+    "PRE_25805",
+    "REAL_SLOTS",
+    "RELEASES",
+    "S3_DEPTH",
+    "S3_EVENT",
+    "SEARCH",
+    "SYSTEM",
+    "UNSAFE",
+    "Action",
+    "P",
+    "State",
+    "Variant",
+    "backup_clauses",
+    "init",
+    "intended_clauses",
+    "invariant_clauses",
+    "live_mapping_clauses",
+    "mapped",
+    "safe_step",
+    "system",
 ]
 
 COMPONENT = "swa_allocator"
@@ -119,7 +130,6 @@ NUM_SLOTS = (len(PAGES) + 1) * P  # slots 0..7 in each pool; page g holds g*P ..
 REAL_SLOTS = range(P, NUM_SLOTS)
 MAX_SEQ = 4  # tokens per request: at most 2 pages
 ARGS = 4  # entries of a list argument (slots, rows, positions of a CPU copy)
-MAX_DEPTH = 6
 S3_DEPTH = 5  # backup_state, an allocation, restore_state, alloc_extend_swa_tail, free_swa
 BOUNDED_DEPTH = 3  # deeper unsatisfiable BMC costs minutes; the induction covers every depth
 
@@ -161,11 +171,11 @@ PRE_25805 = Variant(clears_non_tail=False)
 # ---- state and action -------------------------------------------------------------------------------------
 
 
-def _pages(name: str, make: Callable[[str], z3.ExprRef], page0: z3.ExprRef, tag: str) -> tuple:
+def _pages(name: str, make: Callable[[str], z3.ExprRef], page0: z3.ExprRef, tag: str) -> tuple[z3.ExprRef, ...]:
     return (page0, *(make(f"{name}_{g}@{tag}") for g in PAGES))
 
 
-def _slots(name: str, make: Callable[[str], z3.ExprRef], page0: z3.ExprRef, tag: str) -> tuple:
+def _slots(name: str, make: Callable[[str], z3.ExprRef], page0: z3.ExprRef, tag: str) -> tuple[z3.ExprRef, ...]:
     return (*[page0] * P, *(make(f"{name}_{x}@{tag}") for x in REAL_SLOTS))
 
 
@@ -252,7 +262,8 @@ class Action:
             return tuple(z3.Int(f"{name}_{i}@{tag}") for i in range(k))
 
         return Action(
-            *(z3.Int(f"{name}@{tag}") for name in ("req", "prefix", "seq", "tail", "last_page")),
+            req=z3.Int(f"req@{tag}"), prefix=z3.Int(f"prefix@{tag}"), seq=z3.Int(f"seq@{tag}"),
+            tail=z3.Int(f"tail@{tag}"), last_page=z3.Int(f"last_page@{tag}"),
             full_pages=(z3.Int(f"full_page_0@{tag}"), z3.Int(f"full_page_1@{tag}")),
             swa_pages=(z3.Int(f"swa_page_0@{tag}"), z3.Int(f"swa_page_1@{tag}")),
             pages=_pages("pick", z3.Bool, z3.BoolVal(False), tag),
@@ -318,7 +329,7 @@ def _fresh_pages(count: z3.ArithRef, pages: Sequence[z3.ArithRef], free: Sequenc
 
 
 def _real_slot(x: z3.ArithRef) -> z3.BoolRef:
-    return z3.And(P <= x, x < NUM_SLOTS)
+    return z3.And(x >= P, x < NUM_SLOTS)
 
 
 def _distinct(active: Sequence[z3.BoolRef], xs: Sequence[z3.ArithRef]) -> list[z3.BoolRef]:
@@ -334,7 +345,7 @@ def _entries(a: Action) -> list[z3.BoolRef]:
 def _given_live(s: State, a: Action, *, distinct: bool) -> list[z3.BoolRef]:
     """``n`` in ``[0, ARGS]``; the given slots are live (the reference's ``_check_live``), distinct if asked."""
     on = _entries(a)
-    facts = [0 <= a.n, a.n <= ARGS, *[z3.Implies(on[i], _bool(s.live, a.loc[i])) for i in range(ARGS)]]
+    facts = [a.n >= 0, a.n <= ARGS, *[z3.Implies(on[i], _bool(s.live, a.loc[i])) for i in range(ARGS)]]
     return facts + (_distinct(on, a.loc) if distinct else [])
 
 
@@ -356,7 +367,8 @@ def init(s: State, variant: Variant = FIXED) -> z3.BoolRef:
         *[s.full_free[g] for g in PAGES], *[s.swa_free[q] for q in PAGES],
         *[s.full_owner[g] == 0 for g in PAGES], *[s.swa_owner[q] == 0 for q in PAGES],
         *[s.page_index[g] == 0 for g in PAGES], *[z3.Not(s.live[x]) for x in REAL_SLOTS], *mapping,
-        z3.Not(s.bk_held), z3.Not(s.backup), *[s.kv_full[x] == 0 for x in REAL_SLOTS], *[s.kv_swa[x] == 0 for x in REAL_SLOTS],
+        z3.Not(s.bk_held), z3.Not(s.backup),
+        *[s.kv_full[x] == 0 for x in REAL_SLOTS], *[s.kv_swa[x] == 0 for x in REAL_SLOTS],
         s.copy_len == 0, *[c == 0 for c in s.copy_full], *[z3.Not(c) for c in s.copy_mask],
         *[c == 0 for c in s.copy_swa],
     )
@@ -463,7 +475,7 @@ def _extend(s: State, a: Action, t: State, v: Variant, *, tail: z3.BoolRef, bulk
         return z3.And(a.last_page == g, s.full_owner[g] == req, s.page_index[g] == e.started - 1, *fill)
 
     continues = [z3.Or([last_on(g) for g in PAGES])]
-    guard = [0 <= p, p <= n, n <= MAX_SEQ, req >= 1, z3.If(p == 0, z3.And(owns_nothing), z3.And(continues)),
+    guard = [p >= 0, p <= n, n <= MAX_SEQ, req >= 1, z3.If(p == 0, z3.And(owns_nothing), z3.And(continues)),
              *_fresh_pages(e.new_full, a.full_pages, s.full_free), *_fresh_pages(e.new_swa, a.swa_pages, s.swa_free)]
     if v.checks_continuation:  # M5: a 1:1 extend continuing a page continues its SWA page
         guard.append(_implies(z3.Not(tail), z3.Implies(z3.And(p < e.started * P, n > p), a.m_last > 0)))
@@ -504,7 +516,7 @@ def _allocation_args(op: str, a: Action) -> z3.BoolRef:
     if op == "alloc_decode":  # one token at position seq - 1
         return z3.And(a.seq >= 1, a.prefix == a.seq - 1)
     if op == "alloc_extend_swa_tail":  # U1: the tail starts on a page boundary
-        return z3.And(0 <= a.tail, a.tail <= a.seq - a.prefix, _aligned(a.seq - a.tail))
+        return z3.And(a.tail >= 0, a.tail <= a.seq - a.prefix, _aligned(a.seq - a.tail))
     return z3.BoolVal(True)
 
 
@@ -721,7 +733,7 @@ def _set_kv_buffer(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
         full = [z3.And(z3.Not(a.swa_layer), given[i]) for i in range(ARGS)]
         swa = [z3.And(a.swa_layer, on[i], swa_destination(s, a, i) > 0) for i in range(ARGS)]
         return z3.And(
-            *translations(s, a), 0 <= a.n, a.n <= ARGS, *loc_ok, *_distinct(given, a.loc),
+            *translations(s, a), a.n >= 0, a.n <= ARGS, *loc_ok, *_distinct(given, a.loc),
             *[z3.Implies(on[i], a.value[i] >= 1) for i in range(ARGS)],
             *[t.kv_full[x] == _write(s.kv_full[x], [(z3.And(full[i], a.loc[i] == x), a.value[i])
                                                     for i in range(ARGS)]) for x in REAL_SLOTS],
@@ -801,9 +813,10 @@ def translate_loc_from_full_to_swa(s: State, a: Action, t: State) -> z3.BoolRef:
     """A read: ``result[i] = M[loc[i]]`` for ``-1 <= loc[i] < 8`` (``M[-1] = -1``, the sentinel); nothing changes."""
     on = _entries(a)
     return z3.And(
-        0 <= a.n, a.n <= ARGS,
-        *[z3.Implies(on[i], z3.And(-1 <= a.loc[i], a.loc[i] < NUM_SLOTS,
-                                   a.result[i] == z3.If(a.loc[i] == -1, -1, _int(s.M, a.loc[i])))) for i in range(ARGS)],
+        a.n >= 0, a.n <= ARGS,
+        *[z3.Implies(on[i], z3.And(a.loc[i] >= -1, a.loc[i] < NUM_SLOTS,
+                                   a.result[i] == z3.If(a.loc[i] == -1, -1, _int(s.M, a.loc[i]))))
+          for i in range(ARGS)],
         *_ts.unchanged_except(s, t),
     )
 
@@ -835,7 +848,7 @@ def _row_clauses(s: State) -> list[Clause]:
              for j in range(ARGS)]
     return [("rows: tags >= 0", rows),
             ("copy: 0..4 positions, tags >= 0, SWA rows only where masked",
-             z3.And(0 <= s.copy_len, s.copy_len <= ARGS, *cells)),
+             z3.And(s.copy_len >= 0, s.copy_len <= ARGS, *cells)),
             ("backup: a valid backup is held", z3.Implies(s.backup, s.bk_held))]
 
 
@@ -905,10 +918,11 @@ def cells(model: z3.ModelRef, s: State) -> tuple[str, ...]:
     """A state as table cells; the optional columns (backup, rows, copy) are ``""`` when empty."""
     live = [(x, as_int(model, s.full_owner[x // P])) for x in REAL_SLOTS if as_bool(model, s.live[x])]
     backup = ""
-    if as_bool(model, s.backup):
+    if as_bool(model, s.bk_held):
         bk_live = [x for x in REAL_SLOTS if as_bool(model, s.bk_live[x])]
-        backup = (f"full free {_ints(_free_pages(model, s.bk_full_free))}; SWA free {_ints(_free_pages(model, s.bk_swa_free))}; "
-                  f"live {_ints(bk_live)}")
+        bk_full, bk_swa = _ints(_free_pages(model, s.bk_full_free)), _ints(_free_pages(model, s.bk_swa_free))
+        stale = "" if as_bool(model, s.backup) else " (stale: released since)"
+        backup = f"full free {bk_full}; SWA free {bk_swa}; live {_ints(bk_live)}{stale}"
     copy = ""
     if (n := as_int(model, s.copy_len)) > 0:
         mask = [as_bool(model, b) for b in s.copy_mask[:n]]
@@ -926,8 +940,9 @@ def describe(model: z3.ModelRef, step: Step[State, Action]) -> str:
     """The call of a step with its arguments and what it took or released."""
     op, s, a, t = step.op_name(model), step.pre, step.action, step.post
     p, n, tail, req = (as_int(model, x) for x in (a.prefix, a.seq, a.tail, a.req))
-    took = f"full pages {_ints(sorted(set(_free_pages(model, s.full_free)) - set(_free_pages(model, t.full_free))))}, " \
-           f"SWA pages {_ints(sorted(set(_free_pages(model, s.swa_free)) - set(_free_pages(model, t.swa_free))))}"
+    took_full = sorted(set(_free_pages(model, s.full_free)) - set(_free_pages(model, t.full_free)))
+    took_swa = sorted(set(_free_pages(model, s.swa_free)) - set(_free_pages(model, t.swa_free)))
+    took = f"full pages {_ints(took_full)}, SWA pages {_ints(took_swa)}"
     back_full = sorted(set(_free_pages(model, t.full_free)) - set(_free_pages(model, s.full_free)))
     back_swa = sorted(set(_free_pages(model, t.swa_free)) - set(_free_pages(model, s.swa_free)))
     k = max(0, min(as_int(model, a.n), ARGS))
@@ -1427,7 +1442,8 @@ def _op_obligations() -> tuple[Obligation, ...]:
         _ts.obligation(SYSTEM, "set_kv_buffer.writes_own_pages.unchecked_loc", "without the liveness check a write "
                        "through a freed slot's stale M lands on an SWA page another request holds or a free one",
                        _ts.safety(mapped(Variant(kv_checks_loc=False)), _kv_writes_owned, _explain_kv,
-                                  ("set_kv_buffer",), start=MAPPED_START).also(_quiet(rows=False)), family=FAMILY, twin_of="set_kv_buffer.writes_own_pages"),
+                                  ("set_kv_buffer",), start=MAPPED_START).also(_quiet(rows=False)),
+                       family=FAMILY, twin_of="set_kv_buffer.writes_own_pages"),
         _ts.obligation(SYSTEM, "translate_loc_from_full_to_swa.live_result_owned", f"{MAPPED_STATE}, the "
                        "translation of a live full slot is 0 or an SWA slot on a page its request holds",
                        _ts.safety(MAPPED, _translation_owned(live_only=True), _explain_translation,

@@ -10,6 +10,8 @@ full-length reservation of ``ceil(L/P)`` pages (§2.10).
 Each broken twin swaps in a plausible wrong formula (no ``max(0, .)``, ``ceil_P``
 for ``floor_P``, an unaligned ``min(L, W)``, the resume window ``L - 1 - W``) or a
 wrong budget claim, and must produce a concrete ``L W P`` counterexample.
+
+Obligations are named ``swa_allocator.swa_tail_len.<claim>[.<twin>]``.
 """
 
 from __future__ import annotations
