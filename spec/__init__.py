@@ -1,52 +1,112 @@
-"""``kvproof.spec``: Z3 proof obligations for SGLang's SWA hybrid KV allocator and its loc cache.
+"""``kvproof.spec``: Z3 obligations and transition systems, one module per component (sglang_semantics.md §1-§9).
 
-Claims about the semantics in ../shared/research/sglang_semantics.md (§1.3 paged
-allocator, §1.5 composite allocator, §2.3/§2.7/§2.8 PD decode tail preallocation,
-§7 invariants G/M/D, §9 scenarios S3/S4), one module per invariant family:
+Each component ``c`` has one module ``kvproof.spec.<c>`` exporting ``OBLIGATIONS``
+(every obligation of the component, each named ``<c>.<op>.<claim>`` or
+``<c>.<invariant>.<claim>``, twins with one more suffix) and ``SYSTEM`` or
+``SYSTEMS`` (its :class:`~kvproof.spec._ts.TransitionSystem` values, whose
+transitions are named like the reference functions):
 
-* :mod:`.swa_tail` — lemma D2, ``swa_tail_len`` for symbolic ``L, W, P`` (§2.3);
-* :mod:`.page_arith` — ``alloc_extend`` parts 1/2/3, ``get_num_new_pages``,
-  ``alloc_decode`` (§1.3);
-* :mod:`.swa_mask` — ``get_cpu_copy`` / ``load_cpu_copy`` mask symmetry (§2.8, S4);
-* :mod:`.swa_mapping` — the full-to-SWA mapping M under ``free_swa``,
-  ``alloc_extend_swa_tail`` and ``alloc_extend`` (§1.5, §2.7, §7 M3-M5);
-* :mod:`.swa_s3` — scenario S3 (R1 + R3, stale mapping -> SWA double free) found by
-  bounded model checking, and the post-#25805 model proved safe by induction (§9);
-* :mod:`.loc_cache` (component ``loc_cache``) — the full->SWA translation cache of
-  PR #25824 / #26152: no stale read under the upstream invalidation points and the
-  environment contract E1 (induction), every point needed, S5, S6, a cache shared by
-  two pools, E1 needed, C4 (§3, §7 C1-C4, §9 S5 S6);
-* :mod:`.decode_prealloc` (component ``decode_prealloc``) — the PD decode node's
-  preallocation budgets and gates: D1 (admitted => ``_pre_alloc`` succeeds) proved for
-  the corrected policy, refuted for the upstream one (S2), which of rounding and
-  recomputation it needs, and D3 residency / resume-tail lemmas (§2, §7 D1-D3, §9 S2);
-* :mod:`.hisparse_host` (component ``hisparse_host``) — the HiSparse paged host pool of
-  PR #23606: ``alloc_paged_token_slots`` keeps rows whole aligned pages (H1), covers the
-  request, takes ``ceil((end - a)/P)`` pages, gives distinct in-page slots, reserves no
-  page without a requested position under ``start <= a`` (H4), fits the ``+ P`` row
-  width; release restores the pool (H2); eager backups never leave a hole (induction);
-  S7's numbers (§4, §4.6 H0-H4, §9 S7).
+* ``swa_allocator`` — the paged full + SWA composite allocator (§1.3-§1.6, §2.3,
+  §2.7, §2.8, §7 G/M, §9 S3 S4);
+* ``loc_cache`` — the full->SWA translation cache of PR #25824 / #26152 (§3, §7
+  C1-C4, §9 S5 S6);
+* ``decode_prealloc`` — the PD decode node's preallocation budgets and gates (§2, §7
+  D1-D3, §9 S2);
+* ``hisparse_host`` — the HiSparse paged host pool of PR #23606 (§4, §4.6 H0-H4,
+  §9 S7).
 
-Each family module exports ``OBLIGATIONS``; this package concatenates them in a
-stable order. :func:`run` checks one obligation with a fresh solver.
+The component names are listed here because ``kvproof.spec`` is a leaf (it imports
+z3 and the standard library only, never ``kvproof.reference.registry``);
+``tests/spec/test_registry.py`` checks them against the registry. Obligations are
+collected in this order, and :func:`collect` rejects a name without its component's
+prefix or a duplicate (:class:`ObligationRegistryError`). :func:`run` checks one
+obligation with a fresh solver; :mod:`._ts` is the transition-system kit every model
+shares.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from types import MappingProxyType, ModuleType
+from typing import Any
 
-from kvproof.spec import decode_prealloc, hisparse_host, loc_cache, page_arith, swa_mapping, swa_mask, swa_s3, swa_tail
 from kvproof.spec._solver import Obligation, Result, run
+from kvproof.spec._ts import TransitionSystem
 
-__all__ = ["Obligation", "Result", "run", "OBLIGATIONS", "FAMILY_MODULES", "obligations"]
+__all__ = [
+    "COMPONENTS",
+    "COMPONENT_MODULES",
+    "OBLIGATIONS",
+    "Obligation",
+    "ObligationRegistryError",
+    "Result",
+    "collect",
+    "obligations",
+    "run",
+    "systems",
+]
 
-FAMILY_MODULES = (swa_tail, page_arith, swa_mask, swa_mapping, swa_s3, loc_cache, decode_prealloc, hisparse_host)
+#: The components, in registry order (``kvproof.reference.registry.Component``).
+COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host")
 
-OBLIGATIONS: tuple[Obligation, ...] = tuple(ob for module in FAMILY_MODULES for ob in module.OBLIGATIONS)
 
-_duplicates = sorted(name for name, count in Counter(ob.name for ob in OBLIGATIONS).items() if count > 1)
-assert not _duplicates, f"obligation names must be unique, duplicated: {_duplicates}"
+class ObligationRegistryError(Exception):
+    """A component module's obligations are malformed: a name outside its component, a duplicate, no module."""
+
+
+def _module(component: str) -> ModuleType:
+    try:
+        return importlib.import_module(f"{__name__}.{component}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{component}":
+            raise
+        raise ObligationRegistryError(f"component {component!r} has no spec module {__name__}.{component}") from None
+
+
+def collect(modules: Mapping[str, ModuleType]) -> tuple[Obligation, ...]:
+    """Every module's ``OBLIGATIONS`` in order, checked: names start with ``<component>.``, the obligation says
+    the same component, and no name repeats."""
+    collected: list[Obligation] = []
+    for component, module in modules.items():
+        found = getattr(module, "OBLIGATIONS", None)
+        if not isinstance(found, tuple) or not all(isinstance(ob, Obligation) for ob in found):
+            raise ObligationRegistryError(f"{module.__name__}.OBLIGATIONS must be a tuple of Obligation values")
+        for ob in found:
+            if not ob.name.startswith(f"{component}.") or ob.component != component:
+                raise ObligationRegistryError(
+                    f"{module.__name__}: obligation {ob.name!r} (component {ob.component!r}) must be named "
+                    f"'{component}.<op or invariant>.<claim>' and belong to component {component!r}")
+            if ob.twin_of is not None and not ob.twin_of.startswith(f"{component}."):
+                raise ObligationRegistryError(f"{module.__name__}: twin {ob.name!r} names {ob.twin_of!r}, "
+                                              f"outside component {component!r}")
+        collected += found
+    duplicates = sorted(name for name, count in Counter(ob.name for ob in collected).items() if count > 1)
+    if duplicates:
+        raise ObligationRegistryError(f"obligation names must be unique, duplicated: {duplicates}")
+    return tuple(collected)
+
+
+#: ``kvproof.spec.<component>`` for each component, in :data:`COMPONENTS` order.
+COMPONENT_MODULES: Mapping[str, ModuleType] = MappingProxyType({c: _module(c) for c in COMPONENTS})
+
+OBLIGATIONS: tuple[Obligation, ...] = collect(COMPONENT_MODULES)
+
+
+def systems(component: str) -> tuple[TransitionSystem[Any, Any], ...]:
+    """The transition systems of ``component`` (its ``SYSTEMS``, or ``(SYSTEM,)``; none yet: empty)."""
+    if component not in COMPONENT_MODULES:
+        raise ObligationRegistryError(f"unknown component {component!r}; choose one of {list(COMPONENTS)}")
+    module = COMPONENT_MODULES[component]
+    found: Iterable[object] = getattr(module, "SYSTEMS", None) or (
+        (module.SYSTEM,) if hasattr(module, "SYSTEM") else ())
+    out = tuple(found)
+    wrong = [x for x in out if not isinstance(x, TransitionSystem) or x.component != component]
+    if wrong:
+        raise ObligationRegistryError(f"{module.__name__}: SYSTEM(S) must be transition systems of {component!r}")
+    return out  # type: ignore[return-value]
 
 
 def obligations(component: str | None = None, name_filter: str | None = None) -> tuple[Obligation, ...]:

@@ -1,8 +1,8 @@
 """Obligation machinery: one claim, one fresh solver, one verdict.
 
-Every family module (``swa_tail``, ``page_arith``, ``swa_mask``, ``swa_mapping``,
-``swa_s3``) states its claims about sglang_semantics.md (§1.3, §1.5, §2.3, §2.7,
-§2.8, §7, §9) as :class:`Obligation` values. An obligation's ``build`` returns the
+Every component module (``kvproof.spec.<component>``, and the family modules it
+gathers) states its claims about sglang_semantics.md (§1-§4, §7, §9) as
+:class:`Obligation` values, named ``<component>.<op or invariant>.<claim>``. An obligation's ``build`` returns the
 hypotheses together with the *negated* goal, so
 
 * ``unsat`` means the claim is **proved** (no counterexample exists);
@@ -32,15 +32,15 @@ import z3
 
 __all__ = [
     "Expect",
-    "Status",
     "Obligation",
     "Result",
-    "run",
-    "as_int",
+    "Status",
     "as_bool",
-    "model_values",
+    "as_int",
     "closed_value",
     "fmt_bools",
+    "model_values",
+    "run",
 ]
 
 Expect = Literal["proved", "counterexample"]
@@ -52,7 +52,7 @@ _ARTEFACTS = frozenset({"div0", "mod0", "/0", "%0"})
 
 @dataclass(frozen=True)
 class Obligation:
-    """One claim about the SWA allocator, checkable by a single solver call.
+    """One claim about a component, checkable by a single solver call.
 
     ``build`` returns facts whose conjunction is UNSAT exactly when the claim
     holds (hypotheses plus the negated goal). ``render`` turns a model of those
@@ -135,10 +135,10 @@ def closed_value(term: z3.ExprRef) -> int | bool:
     if z3.is_bool(simple):
         if not (z3.is_true(simple) or z3.is_false(simple)):
             raise ValueError(f"{term} does not simplify to a Boolean literal: {simple}")
-        return z3.is_true(simple)
+        return bool(z3.is_true(simple))
     if not isinstance(simple, z3.IntNumRef):
         raise ValueError(f"{term} does not simplify to an integer literal: {simple}")
-    return simple.as_long()
+    return int(simple.as_long())
 
 
 def as_int(model: z3.ModelRef, term: z3.ArithRef | int) -> int:
@@ -148,14 +148,14 @@ def as_int(model: z3.ModelRef, term: z3.ArithRef | int) -> int:
     value = model.eval(term, model_completion=True)
     if not isinstance(value, z3.IntNumRef):
         raise ValueError(f"{term} does not evaluate to an integer literal: {value}")
-    return value.as_long()
+    return int(value.as_long())
 
 
 def as_bool(model: z3.ModelRef, term: z3.BoolRef | bool) -> bool:
     """Value of a Boolean term in ``model`` (unconstrained symbols default to False)."""
     if isinstance(term, bool):
         return term
-    return z3.is_true(model.eval(term, model_completion=True))
+    return bool(z3.is_true(model.eval(term, model_completion=True)))
 
 
 def model_values(model: z3.ModelRef) -> dict[str, int | bool]:

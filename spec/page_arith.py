@@ -16,6 +16,9 @@ Broken twins: the "extend length over P" page count, no ``min(s, .)`` clamp on
 part 1, no early return after part 1, part 1 running to the *next* boundary, the
 decode tests ``s mod P == 0`` and ``s mod P == 1`` (the latter wrong for ``P = 1``),
 and a batch estimate from the total extend length.
+
+Obligations are named after the op: ``swa_allocator.alloc_extend.*``,
+``swa_allocator.alloc_decode.*``.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def part_shapes(v: ExtendVars, n: Parts) -> z3.BoolRef:
     """n2 is a multiple of P, witnessed by the part-2 page count (robust for every solver seed)."""
     n1, n2, n3 = n
     k = part2_pages_term(v.p, v.s, v.P)
-    return z3.And(0 <= n1, n1 < v.P, n2 >= 0, n2 == k * v.P, 0 <= n3, n3 < v.P)
+    return z3.And(n1 >= 0, n1 < v.P, n2 >= 0, n2 == k * v.P, n3 >= 0, n3 < v.P)
 
 
 def explain_part_shapes(x: PartsValues) -> str:
@@ -198,7 +201,7 @@ RequestGoal = Callable[[ExtendVars, Parts], z3.BoolRef]
 def _division_facts(v: ExtendVars, n: Parts) -> list[z3.BoolRef]:
     """``P*(x div P) <= x < P*(x div P) + P`` for each quotient the goals use (true for ``P >= 1``).
 
-    Z3 knows these axioms, but stating the instances makes ``alloc_extend.new_pages``
+    Z3 knows these axioms, but stating the instances makes ``swa_allocator.alloc_extend.new_pages``
     independent of its random seed (``tests/spec/test_robustness.py``: seed 1 took 2-10 s
     without them); being true, they cannot hide a counterexample. Other goals do not get
     them: the extra terms slow ``part1_in_last_page`` down to a timeout.
@@ -290,7 +293,7 @@ def batch_extend_tokens(a: ExtendVars, b: ExtendVars) -> z3.ArithRef:
 
 
 def _kernel_pages(v: ExtendVars) -> z3.ArithRef:
-    n1, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
+    _, n2, n3 = extend_parts_terms(v.p, v.s, v.P)
     return new_pages_of_parts(n2, n3, v.P)
 
 
@@ -299,9 +302,9 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
     """Request 2's pages start where request 1's end; the batch total equals ``count``.
 
     Compositional: each request's page count is taken from the proved single-request
-    lemma ``alloc_extend.new_pages`` (restating its division terms for two requests
+    lemma ``swa_allocator.alloc_extend.new_pages`` (restating its division terms for two requests
     at once only makes the non-linear search harder). A broken twin searches small
-    numbers only (``P <= 8``, ``s_i <= 32``): any counterexample refutes it, and small
+    numbers only (``P <= 4``, ``s_i <= 8``): any counterexample refutes it, and small
     ones read better and are found reliably.
     """
 
@@ -313,7 +316,7 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
         written = [(0, _kernel_pages(a)), (offset_b, _kernel_pages(b))]
         contiguous = z3.And(written[0][0] + written[0][1] == written[1][0])
         total = written[1][0] + written[1][1]
-        small = [a.P <= 8, a.s <= 32, b.s <= 32] if expect == "counterexample" else []
+        small = [a.P <= 4, a.s <= 8, b.s <= 8] if expect == "counterexample" else []
         return [*a.hypotheses(), *b.hypotheses(), *lemma, *small, z3.Not(z3.And(contiguous, total == count(a, b)))]
 
     def render(model: z3.ModelRef) -> str:
@@ -328,70 +331,72 @@ def _batch_obligation(name: str, statement: str, count: BatchCount, *,
 
 OBLIGATIONS: tuple[Obligation, ...] = (
     _request_obligation(
-        "alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum, explain_parts_sum
+        "swa_allocator.alloc_extend.parts_sum", "for all 0 <= p <= s, P >= 1: n1 + n2 + n3 == s - p", parts_sum,
+        explain_parts_sum,
     ),
     _request_obligation(
-        "alloc_extend.parts_sum.no_early_return",
+        "swa_allocator.alloc_extend.parts_sum.no_early_return",
         "computing parts 2 and 3 after part 1 already completed the request miscounts",
         parts_sum, explain_parts_sum, parts=parts_without_early_return, expect="counterexample",
-        twin_of="alloc_extend.parts_sum",
+        twin_of="swa_allocator.alloc_extend.parts_sum",
     ),
     _request_obligation(
-        "alloc_extend.part_shapes",
+        "swa_allocator.alloc_extend.part_shapes",
         "for all 0 <= p <= s, P >= 1: 0 <= n1 < P, n2 >= 0 and a multiple of P, 0 <= n3 < P",
         part_shapes, explain_part_shapes,
     ),
     _request_obligation(
-        "alloc_extend.part_shapes.no_clamp",
+        "swa_allocator.alloc_extend.part_shapes.no_clamp",
         "without the min(s, .) clamp part 1 overshoots and part 2 goes negative",
         part_shapes, explain_part_shapes, parts=parts_without_clamp, expect="counterexample",
-        twin_of="alloc_extend.part_shapes",
+        twin_of="swa_allocator.alloc_extend.part_shapes",
     ),
     _request_obligation(
-        "alloc_extend.new_pages",
+        "swa_allocator.alloc_extend.new_pages",
         "for all 0 <= p <= s, P >= 1: n2/P + [n3 > 0] == ceil(s/P) - ceil(p/P) (get_num_new_pages)",
         new_pages, explain_new_pages, division_facts=True,
     ),
     _request_obligation(
-        "alloc_extend.new_pages.extend_len_over_p",
+        "swa_allocator.alloc_extend.new_pages.extend_len_over_p",
         "the page count is not ceil((s - p)/P)",
-        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample", twin_of="alloc_extend.new_pages",
+        new_pages_extend_len, explain_new_pages_extend_len, expect="counterexample",
+        twin_of="swa_allocator.alloc_extend.new_pages",
         division_facts=True,
     ),
     _request_obligation(
-        "alloc_extend.part1_in_last_page",
+        "swa_allocator.alloc_extend.part1_in_last_page",
         "for all 0 <= p <= s, P >= 1: if n1 > 0 the continued slots stay in the page of token p-1, "
         "and new pages start at a page boundary",
         part1_in_last_page, explain_part1,
     ),
     _request_obligation(
-        "alloc_extend.part1_in_last_page.next_boundary",
+        "swa_allocator.alloc_extend.part1_in_last_page.next_boundary",
         "continuing to floor_P(p) + P writes into the (full or absent) page of token p-1 when p is aligned",
         part1_in_last_page, explain_part1, parts=parts_next_boundary, expect="counterexample",
-        twin_of="alloc_extend.part1_in_last_page",
+        twin_of="swa_allocator.alloc_extend.part1_in_last_page",
     ),
     _decode_obligation(
-        "alloc_decode.new_page_iff",
+        "swa_allocator.alloc_decode.new_page_iff",
         "for all s >= 1, P >= 1: decoding token s-1 takes a page iff (s-1) mod P == 0",
         opens_sound,
     ),
     _decode_obligation(
-        "alloc_decode.new_page_iff.s_mod_p_zero", "the test s mod P == 0 is off by one",
-        opens_s_mod_zero, expect="counterexample", twin_of="alloc_decode.new_page_iff",
+        "swa_allocator.alloc_decode.new_page_iff.s_mod_p_zero", "the test s mod P == 0 is off by one",
+        opens_s_mod_zero, expect="counterexample", twin_of="swa_allocator.alloc_decode.new_page_iff",
     ),
     _decode_obligation(
-        "alloc_decode.new_page_iff.s_mod_p_one", "the shortcut s mod P == 1 misses P == 1",
-        opens_s_mod_one, expect="counterexample", twin_of="alloc_decode.new_page_iff",
+        "swa_allocator.alloc_decode.new_page_iff.s_mod_p_one", "the shortcut s mod P == 1 misses P == 1",
+        opens_s_mod_one, expect="counterexample", twin_of="swa_allocator.alloc_decode.new_page_iff",
     ),
     _batch_obligation(
-        "alloc_extend.batch_pages_additive",
+        "swa_allocator.alloc_extend.batch_pages_additive",
         "for two requests (0 <= p_i <= s_i, P >= 1), given alloc_extend.new_pages per request: request 2's "
         "pages follow request 1's without gap or overlap and the batch takes exactly get_num_new_pages pages",
         batch_num_new_pages,
     ),
     _batch_obligation(
-        "alloc_extend.batch_pages_additive.extend_tokens",
+        "swa_allocator.alloc_extend.batch_pages_additive.extend_tokens",
         "the batch's pages are not ceil(total extend tokens / P)",
-        batch_extend_tokens, expect="counterexample", twin_of="alloc_extend.batch_pages_additive",
+        batch_extend_tokens, expect="counterexample", twin_of="swa_allocator.alloc_extend.batch_pages_additive",
     ),
 )

@@ -21,6 +21,9 @@ Broken twins: ``free_swa`` without clearing M, clearing only the given slots
 allocation (stale M on the prefix), SGLang's early return for an empty tail (R2),
 a tail mapped one slot late, a tail without U1; ``alloc_extend`` continuing from an
 unmapped ``last_loc``, and an SWA side allocated as a fresh sequence.
+
+Obligations are named after the op: ``swa_allocator.free_swa.*``,
+``swa_allocator.alloc_extend_swa_tail.*``, ``swa_allocator.alloc_extend.*``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import z3
 from kvproof.spec._solver import Expect, Obligation, as_bool, as_int
 from kvproof.spec.terms import ceil_p_term, extend_parts_terms
 
-__all__ = ["OBLIGATIONS", "Geometry", "GEOMETRIES", "Mapping", "free_swa", "alloc_extend_swa_tail", "alloc_extend"]
+__all__ = ["GEOMETRIES", "OBLIGATIONS", "Geometry", "Mapping", "alloc_extend", "alloc_extend_swa_tail", "free_swa"]
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_mapping"
@@ -269,7 +272,7 @@ def _free_swa_obligation(
         return _render_free_swa(geo, model, pre, idx, post)
 
     return Obligation(
-        f"free_swa.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.free_swa.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -317,7 +320,7 @@ class TailRequest:
         swa = [z3.Implies(i < n_swa, z3.And(geo.real_page(q), pick(pre.swa_free, q, False)))
                for i, q in enumerate(self.swa_pages)]
         return [
-            0 <= self.p, self.p <= self.s, self.s <= geo.max_tokens, 0 <= self.t, self.t <= self.s - self.p,
+            self.p >= 0, self.p <= self.s, self.s <= geo.max_tokens, self.t >= 0, self.t <= self.s - self.p,
             *([(self.s - self.t) % P == 0] if aligned else []),  # U1
             distinct_when([self.new(j) for j in range(len(self.F))], self.F), *full,
             distinct_when([i < n_swa for i in range(len(self.swa_pages))], self.swa_pages), *swa,
@@ -434,7 +437,7 @@ def _tail_obligation(
         return _render_tail(geo, model, *parts(geo))
 
     return Obligation(
-        f"alloc_extend_swa_tail.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.alloc_extend_swa_tail.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -533,7 +536,7 @@ def extend_hypotheses(
         # the continued full page is not among the fresh ones
         *[z3.Implies(z3.And(continues, i < n_new), page != req.last_loc / P) for i, page in enumerate(req.full_pages)],
     ]
-    return [0 <= req.p, req.p <= req.s, req.s <= geo.max_tokens, *fresh, *last]
+    return [req.p >= 0, req.p <= req.s, req.s <= geo.max_tokens, *fresh, *last]
 
 
 def maps_one_to_one(
@@ -593,7 +596,7 @@ def _extend_obligation(
         return f"{head}: {_explain_extend(geo, pairs)} [{table}]"
 
     return Obligation(
-        f"alloc_extend.{name}", COMPONENT, FAMILY, statement, expect,
+        f"{COMPONENT}.alloc_extend.{name}", COMPONENT, FAMILY, statement, expect,
         lambda: [z3.Or([violated(g) for g in GEOMETRIES])], render, twin_of,
     )
 
@@ -609,13 +612,14 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     ),
     _free_swa_obligation(
         "clears_mapping.no_clear", "a free_swa that does not clear M leaves live-looking entries",
-        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample", twin_of="free_swa.clears_mapping",
+        clears_mapping, variant=FreeSwaVariant.NO_CLEAR, expect="counterexample",
+        twin_of="swa_allocator.free_swa.clears_mapping",
     ),
     _free_swa_obligation(
         "clears_mapping.given_slots_only",
         "clearing only the given slots (0.5.12) leaves stale M on the rest of a touched page",
         clears_mapping, variant=FreeSwaVariant.GIVEN_SLOTS_ONLY, expect="counterexample",
-        twin_of="free_swa.clears_mapping",
+        twin_of="swa_allocator.free_swa.clears_mapping",
     ),
     _free_swa_obligation(
         "frees_exactly_mapped",
@@ -627,7 +631,7 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "frees_exactly_mapped.no_positive_filter",
         "without the M[f] > 0 filter an unmapped slot releases the reserved SWA page 0",
         frees_exactly_mapped, variant=FreeSwaVariant.NO_POSITIVE_FILTER, expect="counterexample",
-        twin_of="free_swa.frees_exactly_mapped",
+        twin_of="swa_allocator.free_swa.frees_exactly_mapped",
     ),
     _tail_obligation(
         "maps_exactly_tail",
@@ -638,23 +642,24 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "maps_exactly_tail.pre_25805",
         "without the non-tail clear (0.5.12) stale M survives on prefix slots, even with a nonempty tail",
         variant=TailVariant.PRE_25805, nonempty_tail=True, expect="counterexample",
-        twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.zero_tail_early_return",
         "SGLang's early return for swa_tail_len == 0 (R2) skips the clear",
         variant=TailVariant.ZERO_TAIL_EARLY_RETURN, expect="counterexample",
-        twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.one_slot_late",
         "a tail mapping that starts one slot late leaves the first tail position unmapped",
-        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample", twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        variant=TailVariant.ONE_SLOT_LATE, expect="counterexample",
+        twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _tail_obligation(
         "maps_exactly_tail.unaligned_tail",
         "without U1 a tail position lands on an SWA slot of another in-page offset",
-        aligned=False, expect="counterexample", twin_of="alloc_extend_swa_tail.maps_exactly_tail",
+        aligned=False, expect="counterexample", twin_of="swa_allocator.alloc_extend_swa_tail.maps_exactly_tail",
     ),
     _extend_obligation(
         "maps_one_to_one",
@@ -664,11 +669,11 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _extend_obligation(
         "maps_one_to_one.unmapped_last_loc",
         "continuing a partial page from an unmapped last_loc writes into the reserved SWA page 0",
-        mapped_last_loc=False, expect="counterexample", twin_of="alloc_extend.maps_one_to_one",
+        mapped_last_loc=False, expect="counterexample", twin_of="swa_allocator.alloc_extend.maps_one_to_one",
     ),
     _extend_obligation(
         "maps_one_to_one.swa_fresh_sequence",
         "allocating the SWA side as a fresh sequence breaks the in-page offsets",
-        swa_fresh=True, expect="counterexample", twin_of="alloc_extend.maps_one_to_one",
+        swa_fresh=True, expect="counterexample", twin_of="swa_allocator.alloc_extend.maps_one_to_one",
     ),
 )

@@ -17,6 +17,9 @@ quantifier-free with prefix counts (``rank``) as If-sums.
 Broken twins: the legacy path (``row_mask = new_mask``, destinations ``t[new_mask]``,
 ignoring ``old_mask``) and a load that drops ``row_mask`` (all saved rows into
 ``t[new_mask]``).
+
+Obligations are named ``swa_allocator.load_cpu_copy.<claim>[.<twin>]`` (the copy's mask is
+``get_cpu_copy``'s, the claims are about what the load writes).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import z3
 
 from kvproof.spec._solver import Expect, Obligation, as_bool, as_int, fmt_bools
 
-__all__ = ["OBLIGATIONS", "MAX_LEN", "MaskCase", "Load", "compress", "rank", "copy", "load_cpu_copy"]
+__all__ = ["MAX_LEN", "OBLIGATIONS", "Load", "MaskCase", "compress", "copy", "load_cpu_copy", "rank"]
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_mask"
+NAME = f"{COMPONENT}.load_cpu_copy"
 MAX_LEN = 8  # every mask length n in 1..MAX_LEN is covered
 TWIN_LEN = 6  # broken twins look for counterexamples of at most this length
 
@@ -140,7 +144,7 @@ def load_legacy(case: MaskCase) -> Load:
     saved, num_saved = copy(case)
     all_new = z3.And([z3.Implies(j < case.n, case.new[j]) for j in range(MAX_LEN)])
     filtered, num_filtered = compress(case.new, saved)
-    rows = tuple(z3.If(all_new, kept, picked) for kept, picked in zip(saved, filtered))
+    rows = tuple(z3.If(all_new, kept, picked) for kept, picked in zip(saved, filtered, strict=True))
     dest, num_dest = compress(case.new, _positions())
     raises = z3.And(z3.Not(all_new), case.n != num_saved)
     return Load.of(rows, z3.If(all_new, num_saved, num_filtered), dest, num_dest, num_saved, raises)
@@ -179,7 +183,7 @@ def _explain(old: list[bool], new: list[bool], rows: list[int], dest: list[int],
     if raises:
         return f"load raises IndexError: row_mask has {len(old)} entries for {sum(old)} saved row(s)"
     counts = f"{len(rows)} filtered row(s) {rows} for {len(dest)} destination(s) {dest}"
-    for row, slot in zip(rows, dest):
+    for row, slot in zip(rows, dest, strict=False):  # unequal lengths are what _explain reports
         if row != slot:
             mismatch = f" ({counts})" if len(rows) != len(dest) else ""
             return f"row from position {row} lands on position {slot}{mismatch}"
@@ -228,7 +232,7 @@ def _mask_obligation(
         return [*case.hypotheses(), *short, z3.Not(prop(case, make_load(case)))]
 
     return Obligation(
-        name=f"{FAMILY}.{name}",
+        name=f"{NAME}.{name}",
         component=COMPONENT,
         family=FAMILY,
         statement=statement,
@@ -250,7 +254,7 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "row_count_matches.legacy_row_mask",
         "the legacy row_mask = new_mask over a masked copy raises or filters the wrong number of rows",
         row_count_matches, make_load=load_legacy, expect="counterexample",
-        twin_of=f"{FAMILY}.row_count_matches",
+        twin_of=f"{NAME}.row_count_matches",
     ),
     _mask_obligation(
         "survives_iff_mapped_both",
@@ -263,12 +267,12 @@ OBLIGATIONS: tuple[Obligation, ...] = (
         "survives_iff_mapped_both.legacy_row_mask",
         "the legacy path (row_mask = new_mask, destinations t[new_mask]) misplaces rows of a masked copy",
         survives_iff_mapped_both, make_load=load_legacy, expect="counterexample",
-        twin_of=f"{FAMILY}.survives_iff_mapped_both",
+        twin_of=f"{NAME}.survives_iff_mapped_both",
     ),
     _mask_obligation(
         "survives_iff_mapped_both.no_row_mask",
         "loading all saved rows into t[new_mask] (no row_mask) puts rows on wrong slots",
         survives_iff_mapped_both, make_load=load_without_row_mask, expect="counterexample",
-        twin_of=f"{FAMILY}.survives_iff_mapped_both",
+        twin_of=f"{NAME}.survives_iff_mapped_both",
     ),
 )

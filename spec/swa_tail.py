@@ -10,6 +10,8 @@ full-length reservation of ``ceil(L/P)`` pages (§2.10).
 Each broken twin swaps in a plausible wrong formula (no ``max(0, .)``, ``ceil_P``
 for ``floor_P``, an unaligned ``min(L, W)``, the resume window ``L - 1 - W``) or a
 wrong budget claim, and must produce a concrete ``L W P`` counterexample.
+
+Obligations are named ``swa_allocator.swa_tail_len.<claim>[.<twin>]``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = ["OBLIGATIONS", "TailVars"]
 
 COMPONENT = "swa_allocator"
 FAMILY = "swa_tail"
+NAME = f"{COMPONENT}.swa_tail_len"  # obligations are about reference.arith.swa_tail_len
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _tail_obligation(
         return [*v.hypotheses(), z3.Not(goal(v, formula(v)))]
 
     return Obligation(
-        name=f"{FAMILY}.{suffix}",
+        name=f"{NAME}.{suffix}",
         component=COMPONENT,
         family=FAMILY,
         statement=statement,
@@ -190,7 +193,7 @@ def _tail_obligation(
 
 def _twin(of: str, suffix: str, statement: str, goal: Goal, describe: Describe, formula: TailFormula) -> Obligation:
     return _tail_obligation(
-        f"{of}.{suffix}", statement, goal, describe, formula=formula, expect="counterexample", twin_of=f"{FAMILY}.{of}"
+        f"{of}.{suffix}", statement, goal, describe, formula=formula, expect="counterexample", twin_of=f"{NAME}.{of}"
     )
 
 

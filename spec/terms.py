@@ -13,25 +13,27 @@ rely on; callers state ``P >= 1`` as a hypothesis.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import z3
 
 __all__ = [
     "IntLike",
-    "lift",
-    "zmax",
-    "zmin",
     "ceil_div_term",
     "ceil_p_term",
+    "decode_opens_page_term",
+    "extend_parts_terms",
     "floor_p_term",
     "is_multiple_term",
-    "extend_parts_terms",
+    "lift",
     "new_pages_of_parts",
     "num_new_pages_term",
-    "decode_opens_page_term",
     "swa_tail_term",
+    "zmax",
+    "zmin",
 ]
 
-IntLike = z3.ArithRef | int
+IntLike: TypeAlias = z3.ArithRef | int
 
 
 def lift(x: IntLike) -> z3.ArithRef:

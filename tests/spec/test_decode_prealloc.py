@@ -22,7 +22,6 @@ from kvproof.spec import obligations
 from kvproof.spec._solver import closed_value as value
 
 
-
 @st.composite
 def requests(draw: st.DrawFn, rid: int) -> dp.DecodeRequest:
     out = draw(st.integers(1, 40))
@@ -109,7 +108,7 @@ def test_budgets_and_gates(s: tuple[dp.DecodeNode, sa.SWAAllocatorState, dp.Deco
 
 
 @given(P=st.integers(2, 64), W=st.integers(1, 500), L=st.integers(1, 5000), mark_pages=st.integers(0, 80))
-def test_eviction_mark_and_residency_bounds(P: int, W: int, L: int, mark_pages: int) -> None:  # noqa: N803
+def test_eviction_mark_and_residency_bounds(P: int, W: int, L: int, mark_pages: int) -> None:
     mark = mark_pages * P
     assert value(spec.evict_mark_term(mark, L, W, P)) == floor_p(max(mark, L - 1 - W - P), P)  # _evict_swa
     assert value(spec.resident_low_term(L, W, P)) == floor_p(max(0, L - 1 - W - P), P)  # check_node's D3 bound
@@ -140,7 +139,8 @@ def _model(name: str) -> z3.ModelRef:
 
 def test_upstream_round_counterexample_crashes_the_reference() -> None:
     """The Z3 model of ``d1_upstream_round`` is a real S2-like run: the reference admits request 2 and crashes."""
-    values = spec.round_values(_model("decode_prealloc.d1_upstream_round"), spec.Policy.UPSTREAM, empty=True)
+    model = _model("decode_prealloc.pop_preallocated.d1_upstream_round")
+    values = spec.round_values(model, spec.Policy.UPSTREAM, empty=True)
     assert values["ok1"] and values["admit2"] and not values["swa_ok2"]
     result = _pop(values, dp.PreallocPolicy.UPSTREAM)
     assert result.rids == (1,)
@@ -151,7 +151,8 @@ def test_upstream_round_counterexample_crashes_the_reference() -> None:
 
 
 def test_s2_vector_matches_the_reference() -> None:
-    values = spec.round_values(_model("decode_prealloc.d1_s2_vector"), spec.Policy.UPSTREAM, empty=True)
+    model = _model("decode_prealloc.pop_preallocated.d1_s2_vector")
+    values = spec.round_values(model, spec.Policy.UPSTREAM, empty=True)
     assert (values["budget1_swa"], values["budget2_swa"], values["swa_pages2"]) == (320, 184, 3)
     result = _pop(values, dp.PreallocPolicy.UPSTREAM)
     assert result.crash is not None and result.crash.budgets == (1024, 184)

@@ -37,19 +37,19 @@ pages = st.integers(1, 128)
 
 
 @given(P=pages, M=st.integers(1, 10_000))
-def test_row_width_term(P: int, M: int) -> None:  # noqa: N803
+def test_row_width_term(P: int, M: int) -> None:
     assert value(spec.row_width_term(M, P)) == hh.row_width(M, P)
 
 
 @given(P=pages, a=st.integers(0, 5_000), start=st.integers(0, 5_000), n=st.integers(-3, 3_000))
-def test_allocation_terms(P: int, a: int, start: int, n: int) -> None:  # noqa: N803
+def test_allocation_terms(P: int, a: int, start: int, n: int) -> None:
     """Any ``a`` (the reference does not require H1 here), ``n <= 0`` included."""
     assert value(spec.allocated_len_after_term(a, start, n, P)) == hh.allocated_len_after(a, start, n, P)
     assert value(spec.host_new_pages_term(a, start, n, P)) == hh.host_new_pages(a, start, n, P)
 
 
 @given(P=pages, j=st.integers(0, 60), start=st.integers(0, 5_000), n=st.integers(-3, 3_000))
-def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:  # noqa: N803
+def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:
     """The explicit witness of H1: ``allocated_len_after(j*P, ...) == k*P``, and ``k - j`` pages are new."""
     k = value(spec.allocated_pages_after_term(j, start, n, P))
     assert k * P == hh.allocated_len_after(j * P, start, n, P)
@@ -57,14 +57,14 @@ def test_page_count_witness(P: int, j: int, start: int, n: int) -> None:  # noqa
 
 
 @given(P=pages, data=st.data())
-def test_host_slot_term(P: int, data: st.DataObject) -> None:  # noqa: N803
+def test_host_slot_term(P: int, data: st.DataObject) -> None:
     row = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=12, unique=True))
     pos = data.draw(st.integers(0, len(row) * P - 1))
     assert value(spec.host_slot_term(spec.row_pages(row), pos, P)) == hh.host_slot(row, pos, P)
 
 
 @given(P=pages, x=st.integers(-5_000, 5_000), w=st.integers(-100, 100))
-def test_div_shift_facts_hold(P: int, x: int, w: int) -> None:  # noqa: N803
+def test_div_shift_facts_hold(P: int, x: int, w: int) -> None:
     assert all(value(f) for f in spec.div_shift_facts(x, w, P))
 
 
@@ -112,7 +112,7 @@ def test_s7_pre_23606_staging_breaks_the_page_rule() -> None:
     pre = CONFIG.model_copy(update={"coordinator": hh.Coordinator.PRE_23606})
     with pytest.raises(InvalidOperation, match="page rule"):
         hh.admit_request_into_staging(hh.initial_state(pre), 0, list(range(S7["prefill"])))
-    (twin,) = obligations(name_filter="hisparse_host.s7_vector.pre_23606_token_alloc")
+    (twin,) = obligations(name_filter="hisparse_host.admit_request_into_staging.s7_vector.pre_23606_token_alloc")
     detail = run(twin).detail
     assert "alloc(1000) = 15*64 + 40" in detail and "alloc(3)" in detail and "P_h=64" in detail
 
@@ -141,8 +141,11 @@ def test_every_twin_renders_numbers() -> None:
         assert "div0" not in detail and "mod0" not in detail
 
 
-@pytest.mark.parametrize("name", ["allocated_len_multiple.no_round_up", "covers_request.floor_end",
-                                  "covers_request.no_max", "new_pages_count.from_n", "new_pages_count.floor"])
+@pytest.mark.parametrize("name", ["alloc_paged_token_slots.allocated_len_multiple.no_round_up",
+                                  "alloc_paged_token_slots.covers_request.floor_end",
+                                  "alloc_paged_token_slots.covers_request.no_max",
+                                  "alloc_paged_token_slots.new_pages_count.from_n",
+                                  "alloc_paged_token_slots.new_pages_count.floor"])
 def test_call_twins_break_what_the_reference_keeps(name: str) -> None:
     x = _numbers(_refuted(name))
     p, a, start, n = x["P"], x["a"], x["start"], x["n"]
@@ -151,7 +154,7 @@ def test_call_twins_break_what_the_reference_keeps(name: str) -> None:
     assert after % p == 0 and after >= start + n and after >= a
     needed = ceil_div(start + n - a, p) if start + n > a else 0
     assert hh.host_new_pages(a, start, n, p) == needed
-    if name.startswith("new_pages_count"):
+    if name.startswith("alloc_paged_token_slots.new_pages_count"):
         assert f"needs {needed}" in _refuted(name)
 
 
@@ -165,7 +168,7 @@ def _row_of(a: int, p: int) -> hh.HostPoolState:
 
 
 def test_no_hole_twin_is_a_call_the_reference_refuses() -> None:
-    x = _numbers(_refuted("no_hole.precondition_dropped"))
+    x = _numbers(_refuted("alloc_paged_token_slots.no_hole.precondition_dropped"))
     p, a, start, n = x["P"], x["a"], x["start"], x["n"]
     assert start > a
     with pytest.raises(InvalidOperation, match="hole"):
@@ -173,22 +176,23 @@ def test_no_hole_twin_is_a_call_the_reference_refuses() -> None:
 
 
 def test_row_width_twins() -> None:
-    x = _numbers(_refuted("row_width_fits.no_padding"))
+    x = _numbers(_refuted("alloc_paged_token_slots.row_width_fits.no_padding"))
     m, p, end = x["max_context_len"], x["P"], x["end"]
     assert end <= m < ceil_p(end, p) <= hh.row_width(m, p)
-    y = _numbers(_refuted("row_width_exact.end_within_width"))
+    y = _numbers(_refuted("alloc_paged_token_slots.row_width_exact.end_within_width"))
     assert floor_p(y["width"], y["P"]) < y["end"] <= y["width"] < ceil_p(y["end"], y["P"])
 
 
 def test_release_twin_leaks() -> None:
-    detail = _refuted("release_restores_pool.pre_23606_compressed_len")
+    detail = _refuted("request_finished.release_restores_pool.pre_23606_compressed_len")
     x = _numbers(detail)
     a1, a2 = map(int, re.search(r"alloc_len=\((\d+), (\d+)\)", detail).groups())  # type: ignore[union-attr]
     assert x["available"] + a1 + a2 == x["size"] and x["compressed_len"] < a1
     assert f"leaks {a1 - x['compressed_len']} slots" in detail
 
 
-@pytest.mark.parametrize("name", ["backup_within_allocated.no_page_extension", "backup_within_allocated.end_at_start"])
+@pytest.mark.parametrize("name", ["eager_backup_previous_token.backup_within_allocated.no_page_extension",
+                                  "eager_backup_previous_token.backup_within_allocated.end_at_start"])
 def test_backup_twins_leave_a_hole_the_reference_fills(name: str) -> None:
     x = _numbers(_refuted(name))
     p, a, s = x["P"], x["alloc_len"], x["seq_len"]
@@ -202,7 +206,7 @@ def test_backup_twins_leave_a_hole_the_reference_fills(name: str) -> None:
 
 def test_slot_twins_collide_or_leave_the_page() -> None:
     for name in ("position_offset", "page_plus_offset", "repeated_pages"):
-        detail = _refuted(f"slots_distinct_in_own_pages_in_order.{name}")
+        detail = _refuted(f"alloc_paged_token_slots.slots_distinct_in_own_pages_in_order.{name}")
         assert "both get slot" in detail or "lies in host page" in detail, detail
         x = _numbers(detail)
         assert x["P"] >= 1 and x["x"] < x["y"]

@@ -10,6 +10,7 @@ import z3
 
 import kvproof.spec as spec
 from kvproof.reference import COMPONENTS
+from kvproof.reference.registry import Component
 from kvproof.spec import OBLIGATIONS, Obligation, Result, obligations, run
 from kvproof.spec._solver import Expect, as_int, model_values
 
@@ -38,8 +39,14 @@ def test_every_twin_names_an_existing_sound_obligation() -> None:
     assert {ob.twin_of for ob in TWINS} <= sound_names
 
 
+def _families() -> set[str]:
+    """Every family module's FAMILY: a component module is its own family or lists its FAMILY_MODULES."""
+    modules = [m for c in spec.COMPONENT_MODULES.values() for m in getattr(c, "FAMILY_MODULES", (c,))]
+    return {m.FAMILY for m in modules}
+
+
 def test_fields_are_filled() -> None:
-    families = {module.FAMILY for module in spec.FAMILY_MODULES}
+    families = _families()
     for ob in OBLIGATIONS:
         assert ob.component in COMPONENTS
         assert ob.family in families
@@ -58,10 +65,38 @@ def test_every_module_has_a_docstring_citing_the_semantics(name: str) -> None:
     assert doc and "sglang_semantics.md" in doc, f"{name}: docstring must cite sglang_semantics.md"
 
 
-def test_family_modules_are_all_registered() -> None:
-    registered = {ob.name for module in spec.FAMILY_MODULES for ob in module.OBLIGATIONS}
-    assert registered == {ob.name for ob in OBLIGATIONS}
-    assert [ob.name for ob in OBLIGATIONS] == [ob.name for m in spec.FAMILY_MODULES for ob in m.OBLIGATIONS]
+def test_spec_components_are_the_registry_components() -> None:
+    """``kvproof.spec`` is a leaf and lists the component names itself; they must be the registry's."""
+    assert tuple(c.value for c in Component) == spec.COMPONENTS
+    for component in spec.COMPONENTS:
+        assert all(system.component == component for system in spec.systems(component))
+
+
+def test_collect_rejects_misnamed_and_duplicate_obligations() -> None:
+    import types
+
+    def module(*names: str, component: str = "swa_allocator") -> types.ModuleType:
+        mod = types.ModuleType(f"kvproof.spec.{component}")
+        mod.OBLIGATIONS = tuple(Obligation(n, component, component, "s", "proved", list, str) for n in names)  # type: ignore[attr-defined]
+        return mod
+
+    assert spec.collect({"swa_allocator": module("swa_allocator.free.x")})
+    with pytest.raises(spec.ObligationRegistryError, match="must be named 'swa_allocator"):
+        spec.collect({"swa_allocator": module("free_swa.clears_mapping")})
+    with pytest.raises(spec.ObligationRegistryError, match="duplicated"):
+        spec.collect({"swa_allocator": module("swa_allocator.a.b", "swa_allocator.a.b")})
+    with pytest.raises(spec.ObligationRegistryError, match="belong to component 'loc_cache'"):
+        spec.collect({"loc_cache": module("loc_cache.x.y", component="swa_allocator")})
+    with pytest.raises(spec.ObligationRegistryError, match="unknown component"):
+        spec.systems("nope")
+
+
+def test_component_modules_are_all_registered() -> None:
+    assert tuple(spec.COMPONENT_MODULES) == tuple(COMPONENTS)
+    assert [ob.name for ob in OBLIGATIONS] == [ob.name for m in spec.COMPONENT_MODULES.values() for ob in m.OBLIGATIONS]
+    for component, module in spec.COMPONENT_MODULES.items():
+        assert module.__name__ == f"kvproof.spec.{component}"
+        assert all(ob.name.startswith(f"{component}.") and ob.component == component for ob in module.OBLIGATIONS)
 
 
 def test_obligations_filters() -> None:
@@ -74,10 +109,11 @@ def test_obligations_filters() -> None:
     assert set().union(*by_component) == set(OBLIGATIONS)
     assert sum(map(len, by_component)) == len(OBLIGATIONS)
     assert obligations(component="nope") == ()
-    tail = obligations(name_filter="swa_tail.")
-    assert tail and all("swa_tail." in ob.name for ob in tail)
-    assert [ob.name for ob in obligations(name_filter="swa_tail.upper_bound*")][0] == "swa_tail.upper_bound"
-    assert obligations(name_filter="s3_double_free")[0].name == "swa_allocator.s3_double_free"
+    tail = obligations(name_filter="swa_tail_len.")
+    assert tail and all("swa_tail_len." in ob.name for ob in tail)
+    upper = obligations(name_filter="swa_allocator.swa_tail_len.upper_bound*")
+    assert upper[0].name == "swa_allocator.swa_tail_len.upper_bound"
+    assert obligations(name_filter="s3_pre_25805")[0].name == "swa_allocator.no_double_free.bounded.s3_pre_25805"
 
 
 def _toy(expect: Expect, *facts: z3.BoolRef) -> Obligation:

@@ -1,0 +1,317 @@
+"""decode_prealloc drift: every transition of the Z3 model accepts the steps the reference takes.
+
+Seeded reference runs of ``kvproof.reference.decode_prealloc`` (small paged pools, both
+policies, three requests: sglang_semantics.md §2) are abstracted step by step into the
+model's state (:class:`kvproof.spec.decode_prealloc.State`: per slot the status, request,
+eviction mark and the pages the allocator's owner table says it holds; both pools' free
+pages; the crash flag), and each (pre, action, post) is checked against the transition of
+the same name with concrete values in a fresh Z3 context. Calls the reference rejects must
+have no successor in the model. A deliberately wrong transition rejects sampled pairs, so
+these checks can fail. (The arithmetic builders' drift tests are in ``test_decode_prealloc.py``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import z3
+
+from kvproof.reference import decode_prealloc as dp
+from kvproof.reference import swa_allocator as sa
+from kvproof.reference.config import PoolConfig
+from kvproof.reference.errors import InvalidOperation
+from kvproof.spec import _ts, obligations, systems
+from kvproof.spec import decode_prealloc as spec
+
+SLOTS = 3
+SYSTEM = spec.system(SLOTS)
+OPS = tuple(SYSTEM.ops)
+RUNS, STEPS = 60, 20
+
+Values = dict[str, int | bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One reference step as the model sees it; ``post`` is None when the reference rejected the call."""
+
+    op: str
+    pre: tuple[Values, tuple[Values, ...]]
+    action: Values
+    post: tuple[Values, tuple[Values, ...]] | None
+    events: tuple[str, ...] = ()
+
+
+class Tracker:
+    """A reference run and the ghost facts the model keeps that the reference forgets.
+
+    Slots are numbered by arrival (``rid`` = slot); the retraction stamps and the clock, and
+    the last mark of a finished request, are kept here.
+    """
+
+    def __init__(self, rng: random.Random, flavour: str = "mixed") -> None:
+        """``flavour``: ``mixed``; ``tight`` (UPSTREAM, SWA pages, reserve and CLIP small: where the unrounded
+        decrement crashes, S2); ``long`` (P=2, small window, long outputs: where eviction moves the mark)."""
+        long, tight = flavour == "long", flavour == "tight"
+        p = 2 if long else rng.choice((2, 3, 4))
+        swa_pages = rng.randint(2, 4) if tight else rng.randint(6, 10) if long else rng.randint(3, 8)
+        full_pages = rng.randint(max(swa_pages, 12), 20) if long else rng.randint(max(swa_pages, 3), 14)
+        self.allocator = sa.initial_state(PoolConfig(size_full=full_pages * p, size_swa=swa_pages * p, page_size=p,
+                                                     sliding_window_size=rng.randint(1, 2 if long else 4)))
+        config = dp.DecodeConfig(reserved_decode_tokens=0 if tight else rng.choice((0, 1) if long else (0, 1, 2, 4)),
+                                 clip_max_new_tokens=rng.randint(1, 2 if tight else 4 if long else 8),
+                                 policy=dp.PreallocPolicy.UPSTREAM if tight else rng.choice(list(dp.PreallocPolicy)),
+                                 write_kv=False)
+        self.flavour = flavour
+        self.node, self.rng = dp.initial_node(config), rng
+        self.arrived = 0
+        self.crashed = False
+        self.clock = 0
+        self.stamp: dict[int, int] = {}
+        self.last: dict[int, Values] = {}
+
+    # ---- the abstraction ------------------------------------------------------------------
+
+    def state(self) -> tuple[Values, tuple[Values, ...]]:
+        p, alloc = self.allocator.config.page_size, self.allocator
+        glob: Values = {"P": p, "W": alloc.config.sliding_window_size, "R": self.node.config.reserved_decode_tokens,
+                        "CLIP": self.node.config.clip_max_new_tokens,
+                        "corrected": self.node.config.policy is dp.PreallocPolicy.CORRECTED,
+                        "full_total": alloc.config.num_pages_full, "swa_total": alloc.config.num_pages_swa,
+                        "free_full": sa.full_available_size(alloc) // p, "free_swa": sa.swa_available_size(alloc) // p,
+                        "crashed": self.crashed, "clock": self.clock}
+        return glob, tuple(self.slot(i) for i in range(SLOTS))
+
+    def slot(self, rid: int) -> Values:
+        p = self.allocator.config.page_size
+        held = {name: sum(1 for owner in pool.owner if owner == rid)
+                for name, pool in (("full", self.allocator.full), ("swa", self.allocator.swa))}
+        req = {"at": self.stamp.get(rid, 0)}
+        for r in self.node.queue:
+            if r.rid == rid:
+                return {**req, **self._req(r), "status": spec.QUEUED, "m": 0, **held}
+        for run in self.node.running:
+            if run.rid == rid:
+                assert run.swa_evicted_seqlen % p == 0, run
+                return {**req, **self._req(run), "status": spec.RUNNING, "m": run.swa_evicted_seqlen // p, **held}
+        for back in self.node.retracted:
+            if back.rid == rid:  # the saved SWA rows start at the mark: the CPU copy's first mapped position
+                mark = back.kv.swa_mask.index(True) if any(back.kv.swa_mask) else back.length
+                assert mark % p == 0, back.kv.swa_mask
+                return {**req, **self._req(back), "status": spec.RETRACTED, "m": mark // p, **held}
+        if rid in self.last:  # finished: it reached max_new_tokens, holds nothing, keeps its last mark
+            last = self.last[rid]
+            return {**last, "status": spec.FINISHED, "out": last["max_new"], "full": 0, "swa": 0, **held}
+        return {"status": spec.ABSENT, "orig": 0, "out": 0, "max_new": 0, "m": 0, "at": 0, **held}
+
+    @staticmethod
+    def _req(r: dp.DecodeRequest) -> Values:
+        return {"orig": r.origin_input_len, "out": r.output_len, "max_new": r.max_new_tokens}
+
+    # ---- one sampled step -------------------------------------------------------------------
+
+    def step(self) -> Sample:
+        rng, pre = self.rng, self.state()
+        running = [r.rid for r in self.node.running]
+        choices = ["pop_preallocated", "decode", "decode", "decode", "resume_retracted_reqs"]
+        choices += ["arrive"] * (2 if self.arrived < SLOTS else 0)
+        choices += ["retract"] * (1 if running and (self.flavour != "long" or rng.random() < 0.3) else 0)
+        op = rng.choice(choices)
+        if self.flavour == "tight" and self.arrived < SLOTS:  # a full queue before the first round
+            op = "arrive"
+        if rng.random() < 0.08:  # a call the reference rejects: the model must not take it either
+            return self._rejected(pre)
+        action: Values = {"slot": 0, "orig": 0, "out": 0, "max_new": 0}
+        events: list[str] = []
+        if op == "arrive":
+            out, p = rng.randint(1, 2), self.allocator.config.page_size
+            orig = rng.randint(1, 6 if self.flavour == "long" else 10)
+            if self.flavour == "tight":  # one token into a page: the most rounding drift (R4)
+                out, orig = 1, rng.choice((p + 1, 2 * p + 1, orig))
+            longest = 16 if self.flavour == "long" else 8
+            action = {"slot": self.arrived, "orig": orig, "out": out, "max_new": rng.randint(out + 1, out + longest)}
+            self.node = dp.arrive(self.node, self.arrived, int(action["orig"]), out, int(action["max_new"]))
+            self.arrived += 1
+        elif op == "retract":
+            rid = rng.choice(running)
+            action["slot"] = rid
+            self._apply(dp.retract(self.node, self.allocator, rid))
+            self.stamp[rid], self.clock = self.clock, self.clock + 1
+        else:
+            for run in self.node.running:  # a request that finishes keeps its mark before the step
+                self.last[run.rid] = self.slot(run.rid)
+            result = getattr(dp, op)(self.node, self.allocator)
+            events += ["stall"] * result.stalled + ["crash"] * (result.crash is not None)
+            events += ["finish"] * len(result.rids) if op == "decode" else [f"{op}:{len(result.rids)}"]
+            self._apply(result)
+        post = self.state()
+        moved = [a["m"] != b["m"] and b["status"] == spec.RUNNING for a, b in zip(pre[1], post[1], strict=True)]
+        events += ["evict"] if op == "decode" and any(moved) else []
+        return Sample(op, pre, action, post, tuple(events))
+
+    def _apply(self, result: dp.StepResult) -> None:
+        self.node, self.allocator = result.node, result.allocator
+        self.crashed = result.crash is not None
+
+    def _rejected(self, pre: tuple[Values, tuple[Values, ...]]) -> Sample:
+        """A call the reference rejects: retract a request that is not running, arrive with a rid the node
+        knows, or arrive with nothing left to decode."""
+        queued = [r.rid for r in self.node.queue]
+        known = [r.rid for r in (*self.node.queue, *self.node.running, *self.node.retracted)]
+        pick = self.rng.random()
+        if queued and pick < 0.4:
+            with pytest.raises(InvalidOperation):
+                dp.retract(self.node, self.allocator, queued[0])
+            return Sample("retract", pre, {"slot": queued[0], "orig": 0, "out": 0, "max_new": 0}, None)
+        out = self.rng.randint(1, 3)
+        if known and pick < 0.7:
+            rid, max_new = self.rng.choice(known), out + 1
+        else:
+            rid, max_new = min(self.arrived, SLOTS - 1), out
+        bad: Values = {"slot": rid, "orig": self.rng.randint(1, 12), "out": out, "max_new": max_new}
+        with pytest.raises(InvalidOperation):
+            dp.arrive(self.node, rid, int(bad["orig"]), out, max_new)
+        return Sample("arrive", pre, bad, None)
+
+
+@functools.cache
+def samples() -> tuple[Sample, ...]:
+    """``RUNS`` seeded runs of up to ``STEPS`` steps; a run ends when the node crashes."""
+    out: list[Sample] = []
+    for seed in range(RUNS):
+        tracker = Tracker(random.Random(seed), ("mixed", "mixed", "long", "tight")[seed % 4])
+        for _ in range(STEPS):
+            sample = tracker.step()
+            out.append(sample)
+            if tracker.crashed:
+                break
+    return tuple(out)
+
+
+# ---- encoding concrete values as facts ------------------------------------------------------------
+
+Pins = list[tuple[z3.ExprRef, z3.ExprRef]]
+
+
+def _value(v: int | bool) -> z3.ExprRef:
+    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(v)
+
+
+def state_pins(s: spec.State, values: tuple[Values, tuple[Values, ...]]) -> Pins:
+    """Each variable of ``s`` with its concrete value."""
+    glob, slots = values
+    terms = {"P": s.k.P, "W": s.k.W, "R": s.k.R, "CLIP": s.k.CLIP, "corrected": s.corrected,
+             "full_total": s.full_total, "swa_total": s.swa_total, "free_full": s.free_full,
+             "free_swa": s.free_swa, "crashed": s.crashed, "clock": s.clock}
+    pins = [(terms[name], _value(v)) for name, v in glob.items()]
+    return pins + [(getattr(slot, name), _value(v)) for slot, vals in zip(s.slots, slots, strict=True)
+                   for name, v in vals.items()]
+
+
+def action_pins(a: spec.Action, values: Values) -> Pins:
+    return [(getattr(a, name), _value(v)) for name, v in values.items()]
+
+
+@functools.cache
+def _built(relation: Callable[[spec.State, spec.Action, spec.State], z3.BoolRef]
+           ) -> tuple[spec.State, spec.Action, spec.State, z3.BoolRef]:
+    s, a, t = SYSTEM.state("pre"), SYSTEM.action("act"), SYSTEM.state("post")
+    return s, a, t, relation(s, a, t)
+
+
+def _relation(system: _ts.TransitionSystem[spec.State, spec.Action], op: str
+              ) -> tuple[spec.State, spec.Action, spec.State, z3.BoolRef]:
+    """The relation of ``op`` over fresh pre/post states of ``SLOTS`` slots, built once per relation."""
+    return _built(system.transitions[op])
+
+
+def evaluates(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> bool | None:
+    """The transition of the sample's op with every variable replaced by the sample's value, simplified: true,
+    false, or None when it does not simplify to a literal."""
+    assert sample.post is not None
+    s, a, t, relation = _relation(system, sample.op)
+    pins = state_pins(s, sample.pre) + state_pins(t, sample.post) + action_pins(a, sample.action)
+    verdict = z3.simplify(z3.substitute(relation, *pins))
+    return True if z3.is_true(verdict) else False if z3.is_false(verdict) else None
+
+
+def accepts(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> _ts.Acceptance:
+    """The transition of the sample's op on its concrete (pre, action, post): evaluated by substitution, and on
+    a rejection (or a term that does not evaluate) solved by the kit's ``accepts``, whose verdict names the
+    conflicting facts."""
+    if evaluates(system, sample):
+        return _ts.Acceptance(sample.op, "accepted")
+    assert sample.post is not None
+    pre, post = sample.pre, sample.post
+    return _ts.accepts(system, sample.op, lambda x: [u == v for u, v in state_pins(x, pre)],
+                       lambda x: [u == v for u, v in state_pins(x, post)],
+                       lambda x: [u == v for u, v in action_pins(x, sample.action)])
+
+
+def has_successor(sample: Sample) -> bool:
+    """Some post-state satisfies the transition from the sampled pre-state and action."""
+    s, a, _, relation = _relation(SYSTEM, sample.op)
+    solver = z3.Solver()
+    solver.add(z3.substitute(relation, *state_pins(s, sample.pre), *action_pins(a, sample.action)))
+    return solver.check() == z3.sat
+
+
+# ---- the tests --------------------------------------------------------------------------------------
+
+REFERENCE_OPS = ("arrive", "pop_preallocated", "decode", "retract", "resume_retracted_reqs")
+"""The state-changing operations of ``kvproof.reference.decode_prealloc``."""
+
+
+def test_every_reference_operation_has_a_transition_and_obligations() -> None:
+    """One name everywhere: the reference function, the transition, the obligations' prefix (``prove -k <op>``)."""
+    assert systems("decode_prealloc") == (spec.SYSTEM,)
+    assert spec.SYSTEM.ops == REFERENCE_OPS == OPS
+    for op in REFERENCE_OPS:
+        assert callable(getattr(dp, op)), op
+        found = obligations("decode_prealloc", f"decode_prealloc.{op}.")
+        assert any(ob.twin_of is None for ob in found) and any(ob.twin_of for ob in found), op
+
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_sampled_step_is_accepted_by_its_transition(op: str) -> None:
+    steps = [s for s in samples() if s.op == op and s.post is not None]
+    assert len(steps) >= 20, f"only {len(steps)} sampled {op} steps"
+    for sample in steps:
+        verdict = accepts(SYSTEM, sample)
+        assert verdict.accepted, f"{verdict}\npre {sample.pre}\naction {sample.action}\npost {sample.post}"
+
+
+def test_calls_the_reference_rejects_have_no_successor() -> None:
+    rejected = [s for s in samples() if s.post is None]
+    assert {s.op for s in rejected} == {"arrive", "retract"} and len(rejected) >= 20
+    for sample in rejected:
+        assert not has_successor(sample), f"{sample.op}{sample.action} from {sample.pre} is a step of the model"
+
+
+def test_the_samples_cover_every_branch() -> None:
+    """Rounds admitting two or more requests, resumes of two, UPSTREAM crashes, stalls, evictions, finishing."""
+    events = Counter(e for s in samples() for e in s.events)
+    assert events["crash"] >= 3 and events["stall"] >= 10 and events["evict"] >= 5, events
+    assert events["pop_preallocated:2"] + events["pop_preallocated:3"] >= 10, events
+    assert events["resume_retracted_reqs:1"] >= 10 and events["resume_retracted_reqs:2"] >= 1, events
+    assert events["finish"] >= 10, events
+    assert {s.pre[0]["corrected"] for s in samples()} == {True, False}
+
+
+@pytest.mark.parametrize(("op", "wrong"), [
+    ("pop_preallocated", functools.partial(spec.pop_preallocated, marks_tail=False)),  # the PR era, R6
+    ("retract", functools.partial(spec.retract, swa_by_length=True)),
+])
+def test_a_wrong_transition_rejects_sampled_steps(op: str, wrong: Callable[..., z3.BoolRef]) -> None:
+    system = SYSTEM.with_transitions(**{op: wrong})
+    steps = [s for s in samples() if s.op == op and s.post is not None]
+    rejected = [s for s in steps if evaluates(system, s) is False]
+    assert rejected, f"the wrong {op} accepts all {len(steps)} sampled steps"
+    verdict = accepts(system, rejected[0])
+    assert verdict.status == "rejected" and verdict.conflict, verdict
