@@ -10,9 +10,9 @@ def run(*args: str):  # type: ignore[no-untyped-def]
 
 
 def test_prove_filtered_passes_and_prints_rows() -> None:
-    result = run("prove", "-k", "swa_tail")
+    result = run("prove", "-k", "swa_tail_len")
     assert result.exit_code == 0, result.output
-    assert "swa_tail.upper_bound" in result.output and "0 failed" in result.output
+    assert "swa_allocator.swa_tail_len.upper_bound" in result.output and "0 failed" in result.output
 
 
 def test_prove_nothing_selected_is_an_error() -> None:
@@ -32,12 +32,12 @@ def test_conform_unknown_config_lists_choices() -> None:
 
 
 def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None:
-    result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:StaleTailMapping",
+    result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:TailStartOffByOne",
                  "--config", "P4-W6-F48-S24", "--profile", "ci", "--component", "swa_allocator")
     assert result.exit_code == 1
     assert "operations so far" in result.output
     assert ("replay: kvproof conform --component swa_allocator --impl "
-            "kvproof.conformance.mutants.swa_allocator:StaleTailMapping") in result.output
+            "kvproof.conformance.mutants.swa_allocator:TailStartOffByOne") in result.output
 
 
 def test_conform_runtime_one_config() -> None:
