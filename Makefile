@@ -1,6 +1,6 @@
 # kvproof: two entry points, both self-contained on a fresh machine.
 #   make check  -- set up, then run the main job (kvproof check: prove + conform)
-#   make test   -- set up, then run every test
+#   make test   -- set up, then lint (ruff, mypy, layering) and run every test
 # Set-up installs the local CPU wheel torch==2.13.0 FIRST, so pip never fetches a CUDA build.
 
 PYTHON ?= python3
@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvproof-installed
 
-.PHONY: check test bench setup clean
+.PHONY: check test lint bench setup clean
 
 setup: $(STAMP)
 
@@ -21,14 +21,17 @@ $(STAMP): pyproject.toml
 check: $(STAMP)
 	$(BIN)/kvproof check
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/python tools/lint.py
+
+test: lint
 	$(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/kvproof bench
 
 clean:
-	rm -rf $(VENV) .kvproof .hypothesis build *.egg-info
+	rm -rf $(VENV) .kvproof .hypothesis .mypy_cache .ruff_cache build *.egg-info
 
 # make sglang -- a separate venv (.venv-sglang) with kvproof and the real SGLang 0.5.23 for CPU
 # (no CUDA package: see conformance/adapters/install_sglang.py), for the adapter

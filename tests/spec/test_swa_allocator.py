@@ -19,7 +19,7 @@ from kvproof.spec._ts import Step
 
 #: The reference's operations that change the allocator or read it for the caller (everything but the queries).
 QUERIES = {"initial_state", "available_size", "full_available_size", "swa_available_size", "is_live", "snapshot",
-           "check_live_mapping"}
+           "check_live_mapping", "check_live_pairs"}
 OPS = sorted(set(reference.__all__) - QUERIES - {name for name in reference.__all__
                                                   if inspect.isclass(getattr(reference, name))})
 
