@@ -42,8 +42,9 @@ differs from ``M[contents]`` at that moment, the reference's ghost log
   ``alloc_decode``, ``alloc_extend_swa_tail`` (some free slots become live with new
   ``M`` values; ``alloc_extend`` / ``alloc_decode`` first translate a ``last_loc`` view
   of live slots or -1 right after their point, C4), ``free_swa`` (some slots get 0),
-  ``free`` (some live slots get 0 and are freed), ``set_full_to_swa_mapping`` (some
-  live slots get new values), ``clear`` / ``register_mapping`` (everything free, ``M`` all 0);
+  ``free`` (some slots get 0 and are freed), ``set_full_to_swa_mapping`` (some live
+  slots get new values; an empty call changes nothing, no point), ``clear`` /
+  ``register_mapping`` (everything free, ``M`` all 0);
 * no point: ``free_full`` (liveness only), ``backup_state`` (the caller now holds the
   live slots), ``restore_state`` (liveness back to the held backup, ``M`` kept).
 
@@ -91,10 +92,13 @@ traces close to ``tests/reference/test_loc_cache.py`` and the queries fast.
 Modelling notes: memory is address-based, so a graph or cache entry refers to
 whatever storage now lives at its address (closer to raw CUDA pointers than the
 reference's storage ids, and a superset of its behaviours); stored contents are
-always in ``[-1, 6)``; new ``M`` values are in ``[0, 16)``; ``free_swa`` may zero any
-slots (the reference zeroes whole pages); ``restore_state`` accepts any held
-backup (the reference also needs no release since it); ``capture`` runs two warm-ups
-(the reference's default).
+always in ``[-1, 6)``; new ``M`` values are in ``[0, 16)``; ``free`` / ``free_swa``
+may zero any slots (the reference zeroes whole pages, live slots or not);
+``restore_state`` accepts any held backup (the reference also needs no release since
+it); ``capture`` runs two warm-ups (the reference's default). The drift tests
+(``tests/spec/test_loc_cache.py``: the reference witnesses;
+``tests/spec/test_drift_loc_cache.py``: seeded runs) check that every transition
+accepts the steps the reference takes.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import z3
 
@@ -116,7 +120,6 @@ __all__ = [
     "COMPONENT",
     "ELEMENT_BYTES",
     "FAMILY",
-    "K",
     "MAX_DEPTH",
     "M_BOUND",
     "NF",
@@ -136,6 +139,7 @@ __all__ = [
     "Cache",
     "Effect",
     "Graph",
+    "K",
     "KeyScheme",
     "Point",
     "Policy",
@@ -182,7 +186,7 @@ def byte_address(a: int) -> int:
 # ---- policy ------------------------------------------------------------------------------------
 
 
-class Point(str, Enum):
+class Point(StrEnum):
     """Where upstream calls ``invalidate_loc_cache()`` (§3.3; same values as the reference)."""
 
     ALLOC = "alloc"
@@ -197,7 +201,7 @@ class Point(str, Enum):
     RUN_ONCE = "run_once"
 
 
-class KeyScheme(str, Enum):
+class KeyScheme(StrEnum):
     DATA_PTR = "data_ptr"  # (x.data_ptr(), numel): the view's own address (#25824 as merged)
     STORAGE_BASE = "storage_base"  # (x.untyped_storage().data_ptr(), numel): intermediate revision (S5)
 
@@ -435,12 +439,12 @@ def view_contents(s: State, addr: z3.ArithRef, numel: z3.ArithRef) -> tuple[z3.A
 
 def in_slot_range(f: z3.ArithRef) -> z3.BoolRef:
     """-1 (no prefix) or a full slot id (the reference's translate check)."""
-    return z3.And(-1 <= f, f < NF)
+    return z3.And(f >= -1, f < NF)
 
 
 def _position(addr: z3.ArithRef, numel: z3.ArithRef) -> z3.BoolRef:
     """``numel`` elements from ``addr`` lie inside index memory, ``1 <= numel <= K``."""
-    return z3.And(1 <= numel, numel <= K, 0 <= addr, addr + numel <= len(ADDRS))
+    return z3.And(numel >= 1, numel <= K, addr >= 0, addr + numel <= len(ADDRS))
 
 
 def view_ok(s: State, addr: z3.ArithRef, numel: z3.ArithRef) -> z3.BoolRef:
@@ -518,7 +522,7 @@ def _quiet_after_forward(s: State, pool: z3.ArithRef | int) -> tuple[z3.BoolRef,
 
 
 def _new_values(a: Action) -> list[z3.BoolRef]:
-    return [z3.Implies(a.pick[x], z3.And(0 <= a.value[x], a.value[x] < M_BOUND)) for x in REAL_SLOTS]
+    return [z3.Implies(a.pick[x], z3.And(a.value[x] >= 0, a.value[x] < M_BOUND)) for x in REAL_SLOTS]
 
 
 def _one_of_pools(a: Action) -> z3.BoolRef:
@@ -533,7 +537,7 @@ def _new_storage(v: Variant, s: State, a: Action) -> Effect:
     allocated (reuse) both pools enter batch preparation."""
     inside = [z3.And(a.addr <= x, x < a.addr + a.numel) for x in ADDRS]
     reuse = z3.Or([z3.And(inside[x], s.used[x]) for x in ADDRS])
-    guard = z3.And(1 <= a.numel, 0 <= a.addr, a.addr + a.numel <= len(ADDRS),
+    guard = z3.And(a.numel >= 1, a.addr >= 0, a.addr + a.numel <= len(ADDRS),
                    *[z3.Implies(inside[x], z3.Not(s.alive[x])) for x in ADDRS],
                    *[z3.Implies(x < a.numel, in_slot_range(a.data[x])) for x in ADDRS])
     quiet = (z3.And(s.quiet[0], z3.Not(reuse)), z3.And(s.quiet[1], z3.Not(reuse))) if v.reuse_rewrites else s.quiet
@@ -685,10 +689,10 @@ def _free_swa(v: Variant, s: State, a: Action) -> Effect:
 
 
 def _free(v: Variant, s: State, a: Action) -> Effect:
-    """``free_swa``'s point, then some live slots get M = 0 and are freed."""
+    """``free_swa``'s point, then some slots get M = 0 and are freed: the reference zeroes every slot of the pages it
+    touches, live or not (a slot ``restore_state`` left dead keeps its M until then, R3)."""
     caches = _invalidate(v, s.caches, Point.FREE_SWA)
-    return Effect(z3.And(*_picks_live(s, a)), dataclasses.replace(s, caches=caches, M=_zero(s, a),
-                                                                  live=_release(s, a)))
+    return Effect(z3.BoolVal(True), dataclasses.replace(s, caches=caches, M=_zero(s, a), live=_release(s, a)))
 
 
 def _free_full(v: Variant, s: State, a: Action) -> Effect:
@@ -700,9 +704,12 @@ def _free_full(v: Variant, s: State, a: Action) -> Effect:
 
 
 def _set_full_to_swa_mapping(v: Variant, s: State, a: Action) -> Effect:
-    """A non-empty call: after the point, some live slots get new values (an empty call changes nothing)."""
-    caches = _invalidate(v, s.caches, Point.SET_FULL_TO_SWA_MAPPING)
-    guard = z3.And(z3.Or([a.pick[x] for x in REAL_SLOTS]), *_picks_live(s, a), *_new_values(a))
+    """After the point, some live slots get new values; an empty call (no slot) returns before the point and changes
+    nothing, as upstream's does."""
+    called = z3.Or([a.pick[x] for x in REAL_SLOTS])
+    invalidated = _invalidate(v, s.caches, Point.SET_FULL_TO_SWA_MAPPING)
+    caches = (invalidated[0].ite(called, s.caches[0]), invalidated[1].ite(called, s.caches[1]))
+    guard = z3.And(*_picks_live(s, a), *_new_values(a))
     M = tuple(s.M[x] if x in RESERVED else z3.If(a.pick[x], a.value[x], s.M[x]) for x in range(NF))
     return Effect(guard, dataclasses.replace(s, caches=caches, M=M))
 
@@ -728,7 +735,7 @@ def _restore_state(v: Variant, s: State, a: Action) -> Effect:
     post = dataclasses.replace(s, live=s.bk_live)
     if v.restore_writes_mapping:
         M = tuple(s.M[x] if x in RESERVED else a.value[x] for x in range(NF))
-        return Effect(z3.And(s.bk_held, *[z3.And(0 <= a.value[x], a.value[x] < M_BOUND) for x in REAL_SLOTS]),
+        return Effect(z3.And(s.bk_held, *[z3.And(a.value[x] >= 0, a.value[x] < M_BOUND) for x in REAL_SLOTS]),
                       dataclasses.replace(post, M=M))
     return Effect(s.bk_held, post)
 
@@ -857,12 +864,12 @@ def entry_fresh(s: State, pool: int) -> z3.BoolRef:
 def wellformed_clauses(s: State) -> list[Clause]:
     """Value ranges and storage shape: inductive, not needed by the proof, but they keep counterexamples readable."""
     clauses = [(f"M1: M[{x}] and M2[{x}] in [0, {M_BOUND})",
-                z3.And(0 <= s.M[x], s.M[x] < M_BOUND, 0 <= s.M2[x], s.M2[x] < M_BOUND)) for x in REAL_SLOTS]
+                z3.And(s.M[x] >= 0, s.M[x] < M_BOUND, s.M2[x] >= 0, s.M2[x] < M_BOUND)) for x in REAL_SLOTS]
     for x in ADDRS:
         clauses.append((f"memory: element {byte_address(x)}, once allocated, holds -1 or a full slot",
                         z3.Implies(s.used[x], in_slot_range(s.cont[x]))))
         clauses.append((f"memory: live element {byte_address(x)} was allocated, in a storage starting at or before it",
-                        z3.Implies(s.alive[x], z3.And(s.used[x], 0 <= s.base[x], s.base[x] <= x))))
+                        z3.Implies(s.alive[x], z3.And(s.used[x], s.base[x] >= 0, s.base[x] <= x))))
     for p in (0, 1):
         c = s.caches[p]
         clauses.append((f"pool {p}'s cache key is a view position", z3.Implies(c.valid, _position(c.addr, c.numel))))
@@ -1078,6 +1085,8 @@ def _describe(v: Variant) -> Callable[[z3.ModelRef, Step[State, Action]], str]:
                 call += f", M rolled back to {[as_int(model, a.value[x]) for x in REAL_SLOTS]}"
         else:
             call = f"{op}()"
+        if op == "set_full_to_swa_mapping" and not picked:
+            return f"{op}([], []) (empty: returns before its point)"
         point = POINT_OF.get(op)
         removed = point is not None and point not in v.policy.points
         if removed or (op == "replay" and not v.replay_invalidates):
@@ -1199,8 +1208,8 @@ def _calm(op: str | None = None, tag: str = "pre", action: str = "step", *, pool
     """For a twin (:meth:`Check.also`): state ``tag`` pins what its counterexample does not need, so the table shows
     only what it is about: the other pool idle (its ``M2 = 0`` or ``M = 0`` and no entry; the action serves
     ``pool``), ``M = 0`` on slots that are not live, cached values >= -1, storages as ``new_storage`` makes them
-    (contiguous from a live base), never-allocated elements 0, no captured graph unless ``op`` is ``replay``, no backup unless it is
-    ``restore_state``."""
+    (contiguous from a live base), never-allocated elements 0, no captured graph unless ``op`` is ``replay``, no
+    backup unless it is ``restore_state``."""
 
     def facts() -> list[z3.BoolRef]:
         s, a = State.fresh(tag), Action.fresh(action)

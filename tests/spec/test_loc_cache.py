@@ -30,7 +30,6 @@ from kvproof.spec import loc_cache as lc
 from kvproof.spec._ts import Step, Unrolling
 from kvproof.spec.loc_cache import (
     ADDRS,
-    K,
     NF,
     OPS,
     POINT_OF,
@@ -40,6 +39,7 @@ from kvproof.spec.loc_cache import (
     SYSTEM,
     UPSTREAM,
     Action,
+    K,
     Point,
     State,
     Variant,
