@@ -65,12 +65,23 @@ class SuiteOption:
 class Suite:
     """One component's lockstep suite: its machine, its default configs, its options."""
 
-    component: Component
     machine: type[Lockstep[Any, Any]]
     configs: tuple[Any, ...]
     #: machine options that are pydantic models, by name (rebuilt from JSON when a vector is replayed)
     option_types: Mapping[str, type[BaseModel]] = field(default_factory=dict)
     cli_options: tuple[SuiteOption, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.machine.component is None:
+            raise HarnessBug(f"{self.machine.__name__} declares no component")
+
+    @property
+    def component(self) -> Component:
+        """The component the suite checks: its machine's."""
+        component = self.machine.component
+        if component is None:  # refused by __post_init__
+            raise HarnessBug(f"{self.machine.__name__} declares no component")
+        return component
 
     @property
     def default_impl(self) -> str:

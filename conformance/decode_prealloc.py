@@ -61,6 +61,8 @@ def allocating_needs(config: PoolConfig) -> frozenset[Capability]:
 class DecodePreallocMachine(SWALockstep):
     """A decode node driven by the reference scheduler; allocations replayed on the implementation."""
 
+    component = Component.DECODE_PREALLOC
+
     def __init__(self, binding: Any) -> None:
         super().__init__(binding)
         self.decode_config: dp.DecodeConfig = binding.options.get("decode_config", DEFAULT_DECODE_CONFIG)
@@ -222,7 +224,7 @@ def _policy(value: str) -> dict[str, Any]:
     return {"decode_config": DEFAULT_DECODE_CONFIG.model_copy(update={"policy": dp.PreallocPolicy(value)})}
 
 
-SUITE = Suite(Component.DECODE_PREALLOC, DecodePreallocMachine, CONFORMANCE_CONFIGS,
+SUITE = Suite(DecodePreallocMachine, CONFORMANCE_CONFIGS,
               option_types={"decode_config": dp.DecodeConfig},
               cli_options=(SuiteOption("policy", tuple(p.value for p in dp.PreallocPolicy), "corrected",
                                        "decode_prealloc: the scheduler's admission policy (upstream crashes: S2)",

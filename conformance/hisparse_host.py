@@ -68,6 +68,7 @@ class Running:
 class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
     """The coordinator's calls on the reference and on the implementation, in lockstep."""
 
+    component = Component.HISPARSE_HOST
     snapshot_type = hh.HostPoolSnapshot
 
     def __init__(self, binding: Any) -> None:
@@ -306,4 +307,4 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
                                                                         torch.tensor(values)))
 
 
-SUITE = Suite(Component.HISPARSE_HOST, HostPoolMachine, HOST_CONFIGS)
+SUITE = Suite(HostPoolMachine, HOST_CONFIGS)

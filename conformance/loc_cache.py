@@ -58,6 +58,8 @@ class Graph:
 class LocCacheMachine(SWAAllocatorMachine):
     """The allocator machine plus index memory, translations, forwards, capture/replay."""
 
+    component = Component.LOC_CACHE
+
     def __init__(self, binding: Any) -> None:
         super().__init__(binding)
         self.arena = IndexArena(self.impl.device)
@@ -379,4 +381,4 @@ class LocCacheMachine(SWAAllocatorMachine):
 
 
 
-SUITE = Suite(Component.LOC_CACHE, LocCacheMachine, CONFORMANCE_CONFIGS)
+SUITE = Suite(LocCacheMachine, CONFORMANCE_CONFIGS)

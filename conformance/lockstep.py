@@ -50,6 +50,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvproof.conformance.errors import HarnessBug, LockstepFailure
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
+from kvproof.reference.registry import Component
 
 __all__ = ["Binding", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout", "RunStats", "Trace",
            "check_after_each_step", "index_problem", "misuse", "operation", "scenario"]
@@ -380,11 +381,14 @@ class Binding(Generic[ConfigT]):
 class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     """The implementation, the trace, the counters and one call on both sides; rules come from subclasses."""
 
+    #: the component whose operations this class declares (a subclass may extend another component's suite)
+    component: ClassVar[Component | None] = None
     #: what ``snapshot()`` must return (``None``: not checked)
     snapshot_type: ClassVar[type | None] = None
     #: the declarations of the class, collected once per class (rules, misuse cases, per-step checks)
     operations: ClassVar[dict[str, Operation]]
     rule_methods: ClassVar[dict[str, str]]  # operation name -> the method that declares it
+    declared_by: ClassVar[dict[str, Component | None]]  # operation name -> the component of the declaring class
     misuse_cases: ClassVar[dict[str, MisuseCase]]
     checks: ClassVar[tuple[str, ...]]
 
@@ -394,15 +398,22 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         methods: dict[str, str] = {}
         cases: dict[str, MisuseCase] = {}
         checks: dict[str, None] = {}
-        members = {name: member for klass in reversed(cls.__mro__) for name, member in vars(klass).items()}
-        for attr, member in sorted(members.items()):  # the class dicts: no descriptor (TestCase) is triggered
+        owners: dict[str, Component | None] = {}
+        members: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):  # the class dicts: no descriptor (TestCase) is triggered
+            for name, member in vars(klass).items():
+                members[name] = member
+                owners[name] = vars(klass).get("component", getattr(klass, "component", None))
+        declared_by: dict[str, Component | None] = {}
+        for attr, member in sorted(members.items()):
             if (op := getattr(member, _OPERATION, None)) is not None:
-                ops[op.name], methods[op.name] = op, attr
+                ops[op.name], methods[op.name], declared_by[op.name] = op, attr, owners[attr]
             if (case := getattr(member, _MISUSE, None)) is not None:
                 cases[case.name] = case
             if getattr(member, _CHECK, False):
                 checks[attr] = None
         cls.operations, cls.rule_methods, cls.misuse_cases, cls.checks = ops, methods, cases, tuple(checks)
+        cls.declared_by = declared_by
         unknown = sorted({c.op for c in cases.values()} - set(ops))
         if unknown:
             raise HarnessBug(f"{cls.__name__}: misuse cases of undeclared operations {unknown}")

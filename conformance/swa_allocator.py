@@ -294,6 +294,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
 class SWAAllocatorMachine(SWALockstep):
     """The ``swa_allocator`` rules: every composite operation, drafts, retraction/resumption, misuse."""
 
+    component = Component.SWA_ALLOCATOR
+
     @operation(needs={C.ALLOC}, pages=st.integers(0, 4))
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
@@ -638,4 +640,4 @@ class SWAAllocatorMachine(SWALockstep):
                                                                     self._t([0, 0])))
 
 
-SUITE = Suite(Component.SWA_ALLOCATOR, SWAAllocatorMachine, CONFORMANCE_CONFIGS)
+SUITE = Suite(SWAAllocatorMachine, CONFORMANCE_CONFIGS)

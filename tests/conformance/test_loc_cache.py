@@ -29,9 +29,9 @@ Z3_TWIN = {
     **{f"no_invalidate_{p}": f"loc_cache.no_stale_read.without_{p}" for p in (
         "alloc", "alloc_extend", "alloc_extend_swa_tail", "alloc_decode", "free_swa", "set_full_to_swa_mapping",
         "clear", "register_mapping", "forward", "run_once")},
-    "forward_point_eager_only": "loc_cache.forward_point_eager_only",
-    "storage_base_key": "loc_cache.s5_storage_base_key",
-    "cache_shared_across_pools": "loc_cache.cache_shared_across_pools",
+    "forward_point_eager_only": "loc_cache.replay.forward_point_eager_only",
+    "storage_base_key": "loc_cache.translate_loc_from_full_to_swa.s5_storage_base_key",
+    "cache_shared_across_pools": "loc_cache.translate_loc_from_full_to_swa.cache_shared_across_pools",
 }
 
 
