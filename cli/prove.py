@@ -24,7 +24,8 @@ def prove(components: Iterable[Component | str] = (), name_filter: str | None = 
 def prove_table(results: list[Result]) -> Table:
     table = Table(title="kvproof prove", show_lines=False)
     for col in ("obligation", "component", "expect", "result", "seconds"):
-        table.add_column(col, justify="right" if col == "seconds" else "left", no_wrap=col != "obligation")
+        table.add_column(col, justify="right" if col == "seconds" else "left", no_wrap=col != "obligation",
+                         overflow="fold")  # a long obligation name wraps, never loses its end
     for r in results:
         ob = r.obligation
         mark = "[green]ok[/]" if r.ok else "[red]FAIL[/]"

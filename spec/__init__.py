@@ -102,11 +102,10 @@ def systems(component: str) -> tuple[TransitionSystem[Any, Any], ...]:
     module = COMPONENT_MODULES[component]
     found: Iterable[object] = getattr(module, "SYSTEMS", None) or (
         (module.SYSTEM,) if hasattr(module, "SYSTEM") else ())
-    out = tuple(found)
-    wrong = [x for x in out if not isinstance(x, TransitionSystem) or x.component != component]
-    if wrong:
+    out = tuple(x for x in found if isinstance(x, TransitionSystem) and x.component == component)
+    if len(out) != len(tuple(found)):
         raise ObligationRegistryError(f"{module.__name__}: SYSTEM(S) must be transition systems of {component!r}")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def obligations(component: str | None = None, name_filter: str | None = None) -> tuple[Obligation, ...]:

@@ -5,7 +5,7 @@ from click.testing import CliRunner
 from kvproof.cli import main
 
 
-def run(*args: str):  # type: ignore[no-untyped-def]
+def run(*args: str):
     return CliRunner().invoke(main, list(args))
 
 

@@ -5,9 +5,10 @@ editable; neither mypy nor import-linter can follow setuptools' editable finder.
 script lays the folders out as the package they are (``build/lint/kvproof/<layer>`` ->
 ``<layer>/``, symlinks), points both tools there, and runs:
 
-* ``ruff check`` over the tree (rules in ``pyproject.toml``);
-* ``mypy`` over every package (strict on ``kvproof.reference`` and ``kvproof.spec``,
-  per ``[tool.mypy]`` in ``pyproject.toml``);
+* ``ruff check`` over the tree, tests included (rules in ``pyproject.toml``);
+* ``mypy`` over every package of the product (strict on ``kvproof.reference`` and
+  ``kvproof.spec``, per ``[tool.mypy]`` in ``pyproject.toml``); the tests are not
+  type-checked, so they carry no ``type: ignore``;
 * ``lint-imports``: the layers ``cli > conformance > gpu_runtime > reference`` and
   ``spec`` as a leaf (``[tool.importlinter]``).
 

@@ -71,15 +71,15 @@ def test_free_of_released_positions_is_split_without_the_capability() -> None:
     class Strict(SWATokenToKVPoolAllocator):
         capabilities = frozenset(Capability) - {Capability.FREE_RELEASED_SWA, Capability.REJECTS_MISUSE}
 
-        def _mapped_only(self, op, free_index):  # type: ignore[no-untyped-def]
+        def _mapped_only(self, op, free_index):
             mapping = self.snapshot().full_to_swa_index_mapping
             assert all(mapping[int(s)] > 0 for s in free_index), f"{op} of a slot whose SWA side is released"
 
-        def free(self, free_index):  # type: ignore[no-untyped-def]
+        def free(self, free_index):
             self._mapped_only("free", free_index)
             return super().free(free_index)
 
-        def free_swa(self, free_index):  # type: ignore[no-untyped-def]
+        def free_swa(self, free_index):
             self._mapped_only("free_swa", free_index)
             return super().free_swa(free_index)
 

@@ -24,48 +24,48 @@ CONFIG = CONFORMANCE_CONFIGS[2]
 
 
 class RaisesUnexpected(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         raise KeyError("boom")
 
 
 class ReturnsList(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         return super().alloc_extend(*args, **kwargs).tolist()
 
 
 class ReturnsInt32(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         return super().alloc_extend(*args, **kwargs).to(torch.int32)
 
 
 class ReturnsOneTooMany(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         out = super().alloc_extend(*args, **kwargs)
         return torch.cat([out, out[-1:]])
 
 
 class ReturnsOnMeta(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         return super().alloc_extend(*args, **kwargs).to("meta")
 
 
 class Hangs(SWATokenToKVPoolAllocator):
-    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, *args, **kwargs):
         time.sleep(30)
         return super().alloc_extend(*args, **kwargs)
 
 
 class SnapshotRaises(SWATokenToKVPoolAllocator):
-    def snapshot(self):  # type: ignore[no-untyped-def]
+    def snapshot(self):
         raise RuntimeError("cannot observe")
 
 
 class SnapshotWrongType(SWATokenToKVPoolAllocator):
-    def snapshot(self):  # type: ignore[no-untyped-def]
+    def snapshot(self):
         return {"free": []}
 
 
-def cannot_build(config):  # type: ignore[no-untyped-def]
+def cannot_build(config):
     raise OSError("no device")
 
 
@@ -107,7 +107,7 @@ def test_a_hung_call_times_out_and_the_run_ends() -> None:
 
 
 class HostBackupHangs(HiSparseHostPool):
-    def eager_backup_previous_token(self, reqs, seq_lens, values):  # type: ignore[no-untyped-def]
+    def eager_backup_previous_token(self, reqs, seq_lens, values):
         time.sleep(30)
 
 

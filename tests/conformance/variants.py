@@ -41,10 +41,10 @@ class _KV:
     def __init__(self, owner: RelabelledReference) -> None:
         self.o = owner
 
-    def set_kv_buffer(self, layer_id, loc, cache_k, cache_v):  # type: ignore[no-untyped-def]
+    def set_kv_buffer(self, layer_id, loc, cache_k, cache_v):
         self.o._inner.get_kvcache().set_kv_buffer(layer_id, self.o._into_full(loc), cache_k, cache_v)
 
-    def get_kv_buffer(self, layer_id):  # type: ignore[no-untyped-def]
+    def get_kv_buffer(self, layer_id):
         k, v = self.o._inner.get_kvcache().get_kv_buffer(layer_id)
         names = self.o._swa if self.o.config.kv.is_swa_layer(layer_id) else self.o._full
         idx = torch.tensor([names.into(i) for i in range(k.shape[0])])
@@ -69,35 +69,35 @@ class RelabelledReference:
     def _out_full(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self._full.out(int(x)) for x in t.tolist()], dtype=torch.int64)
 
-    def alloc(self, need_size):  # type: ignore[no-untyped-def]
+    def alloc(self, need_size):
         return self._out_full(self._inner.alloc(need_size))
 
-    def alloc_extend(self, pre, pre_cpu, seq, seq_cpu, last, n):  # type: ignore[no-untyped-def]
+    def alloc_extend(self, pre, pre_cpu, seq, seq_cpu, last, n):
         return self._out_full(self._inner.alloc_extend(pre, pre_cpu, seq, seq_cpu, self._into_full(last), n))
 
-    def alloc_decode(self, seq, seq_cpu, last):  # type: ignore[no-untyped-def]
+    def alloc_decode(self, seq, seq_cpu, last):
         return self._out_full(self._inner.alloc_decode(seq, seq_cpu, self._into_full(last)))
 
-    def alloc_extend_swa_tail(self, pre, pre_cpu, seq, seq_cpu, last, n, tail):  # type: ignore[no-untyped-def]
+    def alloc_extend_swa_tail(self, pre, pre_cpu, seq, seq_cpu, last, n, tail):
         out = self._inner.alloc_extend_swa_tail(pre, pre_cpu, seq, seq_cpu, self._into_full(last), n, tail)
         return self._out_full(out)
 
-    def free(self, idx):  # type: ignore[no-untyped-def]
+    def free(self, idx):
         self._inner.free(self._into_full(idx))
 
-    def free_swa(self, idx):  # type: ignore[no-untyped-def]
+    def free_swa(self, idx):
         self._inner.free_swa(self._into_full(idx))
 
-    def free_full(self, idx):  # type: ignore[no-untyped-def]
+    def free_full(self, idx):
         self._inner.free_full(self._into_full(idx))
 
     def clear(self) -> None:
         self._inner.clear()
 
-    def backup_state(self):  # type: ignore[no-untyped-def]
+    def backup_state(self):
         return self._inner.backup_state()
 
-    def restore_state(self, state) -> None:  # type: ignore[no-untyped-def]
+    def restore_state(self, state) -> None:
         self._inner.restore_state(state)
 
     def available_size(self) -> int:
@@ -109,18 +109,18 @@ class RelabelledReference:
     def swa_available_size(self) -> int:
         return self._inner.swa_available_size()
 
-    def translate_loc_from_full_to_swa(self, idx):  # type: ignore[no-untyped-def]
+    def translate_loc_from_full_to_swa(self, idx):
         out = self._inner.translate_loc_from_full_to_swa(self._into_full(idx))
         return torch.tensor([self._swa.out(int(x)) if x > 0 else int(x) for x in out.tolist()], dtype=torch.int64)
 
-    def set_full_to_swa_mapping(self, full, swa) -> None:  # type: ignore[no-untyped-def]
+    def set_full_to_swa_mapping(self, full, swa) -> None:
         swa_in = torch.tensor([self._swa.into(int(x)) if x > 0 else int(x) for x in swa.tolist()], dtype=torch.int64)
         self._inner.set_full_to_swa_mapping(self._into_full(full), swa_in)
 
-    def get_cpu_copy(self, idx):  # type: ignore[no-untyped-def]
+    def get_cpu_copy(self, idx):
         return self._inner.get_cpu_copy(self._into_full(idx))
 
-    def load_cpu_copy(self, copy, idx) -> None:  # type: ignore[no-untyped-def]
+    def load_cpu_copy(self, copy, idx) -> None:
         self._inner.load_cpu_copy(copy, self._into_full(idx))
 
     def get_kvcache(self) -> _KV:

@@ -140,9 +140,9 @@ MISUSE: dict[str, tuple[Callable[[SWATokenToKVPoolAllocator, str], object], str,
                                     "restore_state", "state"),
     "load a copy that is not one": (lambda a, d: a.load_cpu_copy({"full": None}, t([4], d)),
                                     "load_cpu_copy", "kv_cache_cpu"),
-    "load a list": (lambda a, d: a.load_cpu_copy([1, 2], t([4], d)),  # type: ignore[arg-type]  # misuse on purpose
+    "load a list": (lambda a, d: a.load_cpu_copy([1, 2], t([4], d)),
                     "load_cpu_copy", "kv_cache_cpu"),
-    "layer id of another type": (lambda a, d: a.get_kvcache().get_kv_buffer("0"),  # type: ignore[arg-type]  # misuse
+    "layer id of another type": (lambda a, d: a.get_kvcache().get_kv_buffer("0"),
                                  "get_kv_buffer", "layer_id"),
     "layer id out of range": (lambda a, d: a.get_kvcache().get_kv_buffer(7), "get_kv_buffer", "layer_id"),
     "set a mapping with a repeated slot": (lambda a, d: a.set_full_to_swa_mapping(t([5, 4, 5], d), t([0, 0, 0], d)),

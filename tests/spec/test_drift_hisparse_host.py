@@ -138,15 +138,15 @@ class Tracker:
         except (InvalidOperation, OutOfMemory) as err:
             return Sample(op, pre, action, None, type(err).__name__)
         if op == "allocated_host_indices":
-            action["count"] = len(out)  # type: ignore[arg-type]
+            action["count"] = len(out)
         elif op == "get_host_data":
-            action["count"] = sum(v is None for v in out)  # type: ignore[union-attr]
+            action["count"] = sum(v is None for v in out)
         else:
-            self.state = out[0] if isinstance(out, tuple) else out  # type: ignore[assignment]
+            self.state = out[0] if isinstance(out, tuple) else out
         if op == "admit_request_into_staging":
-            self.seq[int(action["req"])] = int(action["n"]) + 1  # type: ignore[call-overload]
+            self.seq[int(action["req"])] = int(action["n"]) + 1
         elif op == "eager_backup_previous_token":
-            for r, on in enumerate(action["batch"]):  # type: ignore[arg-type]
+            for r, on in enumerate(action["batch"]):
                 self.seq[r] += bool(on)
         return Sample(op, pre, action, abstract(self.state))
 
@@ -164,18 +164,18 @@ def samples() -> tuple[Sample, ...]:
 
 
 def _value(v: object) -> z3.ExprRef:
-    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(int(v))  # type: ignore[call-overload]
+    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(int(v))
 
 
 def _count(c: spec.Count, v: object) -> Pins:
-    pages, extra = v  # type: ignore[misc]
+    pages, extra = v
     return [(c.pages, _value(pages)), (c.extra, _value(extra))]
 
 
 def state_pins(s: spec.State, v: Values) -> Pins:
     pins = [(s.P, _value(v["P"])), (s.num_pages, _value(v["num_pages"])), (s.M, _value(v["M"])),
             (s.paged, _value(v["paged"])), *_count(s.free, v["free"]), *_count(s.loose, v["loose"])]
-    for row, values in zip(s.rows, v["rows"], strict=True):  # type: ignore[call-overload]
+    for row, values in zip(s.rows, v["rows"], strict=True):
         pins += [*_count(row.alen, values["alen"]), (row.skip, _value(values["skip"])),
                  (row.filled, _value(values["filled"]))]
     return pins
@@ -187,7 +187,7 @@ def action_pins(a: spec.Action, v: Values) -> Pins:
             "upto": [0] * SLOTS, **v}
     pins = [(getattr(a, name), _value(full[name])) for name in ("req", "start", "n", "count")]
     for name in ("batch", "seq", "upto"):
-        pins += [(x, _value(y)) for x, y in zip(getattr(a, name), full[name], strict=True)]  # type: ignore[call-overload]
+        pins += [(x, _value(y)) for x, y in zip(getattr(a, name), full[name], strict=True)]
     return pins
 
 
@@ -265,13 +265,13 @@ def test_the_samples_cover_both_coordinators_and_every_kind_of_step() -> None:
     steps = [s for s in samples() if s.post is not None]
     assert {s.pre["paged"] for s in steps} == {True, False}
     assert {s.pre["P"] for s in steps} == {1, 2, 3, 4}
-    grew = [s for s in steps if s.op == "eager_backup_previous_token" and s.post["rows"] != s.pre["rows"]  # type: ignore[index]
-            and any(a["alen"] != b["alen"] for a, b in zip(s.pre["rows"], s.post["rows"], strict=True))]  # type: ignore[call-overload]
+    grew = [s for s in steps if s.op == "eager_backup_previous_token" and s.post["rows"] != s.pre["rows"]
+            and any(a["alen"] != b["alen"] for a, b in zip(s.pre["rows"], s.post["rows"], strict=True))]
     assert len(grew) >= 5, "backups that open a page"
     skipped = [s for s in steps if s.op == "eager_backup_previous_token"
-               and any(row["skip"] for row in s.pre["rows"])]  # type: ignore[attr-defined]
+               and any(row["skip"] for row in s.pre["rows"])]
     assert len(skipped) >= 5, "backups that skip a freshly staged row"
-    partial = [s for s in steps if any(row["alen"][1] for row in s.post["rows"])]  # type: ignore[index]
+    partial = [s for s in steps if any(row["alen"][1] for row in s.post["rows"])]
     assert partial, "pre-#23606 rows that are not whole pages"
 
 

@@ -186,7 +186,7 @@ def test_row_width_twins() -> None:
 def test_release_twin_leaks() -> None:
     detail = _refuted("request_finished.release_restores_pool.pre_23606_compressed_len")
     x = _numbers(detail)
-    a1, a2 = map(int, re.search(r"alloc_len=\((\d+), (\d+)\)", detail).groups())  # type: ignore[union-attr]
+    a1, a2 = map(int, re.search(r"alloc_len=\((\d+), (\d+)\)", detail).groups())
     assert x["available"] + a1 + a2 == x["size"] and x["compressed_len"] < a1
     assert f"leaks {a1 - x['compressed_len']} slots" in detail
 

@@ -77,7 +77,7 @@ def test_collect_rejects_misnamed_and_duplicate_obligations() -> None:
 
     def module(*names: str, component: str = "swa_allocator") -> types.ModuleType:
         mod = types.ModuleType(f"kvproof.spec.{component}")
-        mod.OBLIGATIONS = tuple(Obligation(n, component, component, "s", "proved", list, str) for n in names)  # type: ignore[attr-defined]
+        mod.OBLIGATIONS = tuple(Obligation(n, component, component, "s", "proved", list, str) for n in names)
         return mod
 
     assert spec.collect({"swa_allocator": module("swa_allocator.free.x")})
