@@ -91,10 +91,14 @@ class DecodePreallocMachine(SWALockstep):
         """One admission round: budgets, gates, preallocation (D1 must hold)."""
         self._step("pop_preallocated", dp.pop_preallocated(self.node, self.ref))
 
-    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running)
-    def decode(self) -> None:
-        """One decode step of the running batch (stalls, changing nothing, if the pools are short)."""
-        self._step("decode", dp.decode(self.node, self.ref))
+    @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
+    def decode(self, data: Any) -> None:
+        """1-4 decode steps of the running batch in a row, as a scheduler runs them (each stalls, changing nothing,
+        if the pools are short): consecutive steps are what fill the pools between admission rounds."""
+        for _ in range(data.draw(st.integers(1, 4), label="steps")):
+            if not self.node.running:
+                return
+            self._step("decode", dp.decode(self.node, self.ref))
 
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
     def retract(self, data: Any) -> None:
