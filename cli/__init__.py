@@ -63,20 +63,11 @@ COMPONENTS = click.option("--component", "components", multiple=True, type=COMPO
                           help="Only this component; repeatable. Default: all (conform: those the --impl declare).")
 
 
-def _suite_options() -> list[Any]:
-    """The options the suites declare (``SuiteOption``), once each."""
-    from kvproof.conformance.check import get_suite
-
-    seen: dict[str, Any] = {}
-    for component in Component:
-        for option in get_suite(component).cli_options:
-            seen.setdefault(option.name, option)
-    return list(seen.values())
-
-
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add one click option per declared suite option (``--policy`` ...), collected into ``suite_options``."""
-    options = _suite_options()
+    from kvproof.conformance.plan import suite_options
+
+    options = suite_options()
     for option in reversed(options):
         command = click.option(f"--{option.name}", option.name, default=option.default, show_default=True,
                                type=click.Choice(list(option.choices)), help=option.help)(command)

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvproof.conformance.plan import Plan, PlannedTest, load_impls, plan, run_planned
+from kvproof.conformance.plan import Plan, PlannedTest, load_impls, plan, run_planned, suite_options
 from kvproof.conformance.profiles import PROFILES
 from kvproof.conformance.report import Outcome, impl_version, load_selection
 from kvproof.reference.registry import Component
@@ -39,16 +39,6 @@ __all__ = ["kvproof_profile", "kvproof_seed", "kvproof_test_run", "pytest_addopt
 _PLAN = pytest.StashKey[Plan]()
 _SEED = pytest.StashKey["int | str"]()
 _OUTCOMES = pytest.StashKey[list[Outcome]]()
-
-
-def _suite_options() -> list[Any]:
-    from kvproof.conformance.check import get_suite
-
-    seen: dict[str, Any] = {}
-    for component in Component:
-        for option in get_suite(component).cli_options:
-            seen.setdefault(option.name, option)
-    return list(seen.values())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,7 +54,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvproof-seed", type=int, default=None, help="seed of a randomized profile (default: chosen)")
     group.addoption("--kvproof-skip-file", default=None, help="lines 'component/config  # reason': skipped")
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
-    for option in _suite_options():
+    for option in suite_options():
         group.addoption(f"--kvproof-{option.name}", default=option.default, choices=list(option.choices),
                         help=option.help)
 
@@ -74,7 +64,7 @@ def _plan(config: pytest.Config) -> Plan:
         opt = config.getoption
         specs = list(opt("kvproof_impl") or os.environ.get("KVPROOF_IMPL", "").split())
         selection = load_selection(opt("kvproof_skip_file"), opt("kvproof_xfail_file"))
-        chosen = {o.name: str(opt(f"kvproof_{o.name}")) for o in _suite_options()}
+        chosen = {o.name: str(opt(f"kvproof_{o.name}")) for o in suite_options()}
         config.stash[_PLAN] = plan(opt("kvproof_component") or (), load_impls(specs), opt("kvproof_config") or (),
                                    selection, chosen)
         profile = PROFILES[opt("kvproof_profile")]

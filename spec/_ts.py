@@ -73,15 +73,18 @@ __all__ = [
     "TransitionSystemError",
     "Unrolling",
     "accepts",
+    "accepts_pinned",
     "bmc",
     "bounded",
     "consecution",
+    "evaluate",
     "find_trace",
     "first_broken",
     "initiation",
     "invariant_broken",
     "obligation",
     "reachable",
+    "relation",
     "safety",
     "shortest_bmc",
     "step_table",
@@ -672,6 +675,44 @@ class Acceptance:
         if self.status == "unknown":
             return f"{self.op}: solver returned unknown"
         return f"{self.op} rejects the pair; conflicting facts: " + "; ".join(self.conflict)
+
+
+Pins = Sequence[tuple[z3.ExprRef, z3.ExprRef]]
+_RELATIONS: dict[tuple[int, str], tuple[Any, Any, Any, Any, z3.BoolRef]] = {}
+
+
+def relation(system: TransitionSystem[S, A], op: str) -> tuple[S, A, S, z3.BoolRef]:
+    """``transitions[op]`` over fresh ``pre`` / ``act`` / ``post`` copies, built once per system and op."""
+    key = (id(system), op)
+    if key not in _RELATIONS:
+        system.code(op)
+        s, a, t = system.state("pre"), system.action("act"), system.state("post")
+        _RELATIONS[key] = (system, s, a, t, system.transitions[op](s, a, t))  # the system keeps its id taken
+    _, s, a, t, rel = _RELATIONS[key]
+    return s, a, t, rel
+
+
+def evaluate(system: TransitionSystem[S, A], op: str, pre: Callable[[S], Pins], post: Callable[[S], Pins],
+             action: Callable[[A], Pins] | None = None) -> bool | None:
+    """``transitions[op]`` with the pinned variables replaced by their values, simplified: ``True``, ``False``,
+    or ``None`` when free variables (ghost fields) leave it undecided. No solver: the drift tests' fast path."""
+    s, a, t, rel = relation(system, op)
+    pins = [*pre(s), *post(t), *(action(a) if action is not None else ())]
+    verdict = z3.simplify(z3.substitute(rel, *pins))
+    return True if z3.is_true(verdict) else False if z3.is_false(verdict) else None
+
+
+def accepts_pinned(system: TransitionSystem[S, A], op: str, pre: Callable[[S], Pins], post: Callable[[S], Pins],
+                   action: Callable[[A], Pins] | None = None) -> Acceptance:
+    """:func:`evaluate` first; unless it says accepted, :func:`accepts` with the pins as equalities, whose verdict
+    names the conflicting facts."""
+    if evaluate(system, op, pre, post, action):
+        return Acceptance(op, "accepted")
+
+    def equal(pins: Callable[[Any], Pins]) -> Callable[[Any], list[z3.BoolRef]]:
+        return lambda x: [u == v for u, v in pins(x)]
+
+    return accepts(system, op, equal(pre), equal(post), equal(action) if action is not None else None)
 
 
 def accepts(system: TransitionSystem[S, A], op: str, pre: Callable[[S], Iterable[z3.BoolRef]],

@@ -17,6 +17,7 @@ import functools
 import random
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import z3
@@ -217,45 +218,27 @@ def action_pins(a: spec.Action, values: Values) -> Pins:
     return [(getattr(a, name), _value(v)) for name, v in values.items()]
 
 
-@functools.cache
-def _built(relation: Callable[[spec.State, spec.Action, spec.State], z3.BoolRef]
-           ) -> tuple[spec.State, spec.Action, spec.State, z3.BoolRef]:
-    s, a, t = SYSTEM.state("pre"), SYSTEM.action("act"), SYSTEM.state("post")
-    return s, a, t, relation(s, a, t)
-
-
-def _relation(system: _ts.TransitionSystem[spec.State, spec.Action], op: str
-              ) -> tuple[spec.State, spec.Action, spec.State, z3.BoolRef]:
-    """The relation of ``op`` over fresh pre/post states of ``SLOTS`` slots, built once per relation."""
-    return _built(system.transitions[op])
+def _pins(sample: Sample) -> tuple[Any, Any, Any]:
+    assert sample.post is not None
+    pre, post, action = sample.pre, sample.post, sample.action
+    return (lambda s: state_pins(s, pre)), (lambda t: state_pins(t, post)), (lambda a: action_pins(a, action))
 
 
 def evaluates(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> bool | None:
-    """The transition of the sample's op with every variable replaced by the sample's value, simplified: true,
-    false, or None when it does not simplify to a literal."""
-    assert sample.post is not None
-    s, a, t, relation = _relation(system, sample.op)
-    pins = state_pins(s, sample.pre) + state_pins(t, sample.post) + action_pins(a, sample.action)
-    verdict = z3.simplify(z3.substitute(relation, *pins))
-    return True if z3.is_true(verdict) else False if z3.is_false(verdict) else None
+    """The transition of the sample's op with every variable replaced by the sample's value (the kit's fast path):
+    true, false, or None when it does not simplify to a literal."""
+    return _ts.evaluate(system, sample.op, *_pins(sample))
 
 
 def accepts(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sample) -> _ts.Acceptance:
-    """The transition of the sample's op on its concrete (pre, action, post): evaluated by substitution, and on
-    a rejection (or a term that does not evaluate) solved by the kit's ``accepts``, whose verdict names the
-    conflicting facts."""
-    if evaluates(system, sample):
-        return _ts.Acceptance(sample.op, "accepted")
-    assert sample.post is not None
-    pre, post = sample.pre, sample.post
-    return _ts.accepts(system, sample.op, lambda x: [u == v for u, v in state_pins(x, pre)],
-                       lambda x: [u == v for u, v in state_pins(x, post)],
-                       lambda x: [u == v for u, v in action_pins(x, sample.action)])
+    """Evaluated by substitution; a rejection (or a term that does not evaluate) is solved by the kit's ``accepts``,
+    whose verdict names the conflicting facts."""
+    return _ts.accepts_pinned(system, sample.op, *_pins(sample))
 
 
 def has_successor(sample: Sample) -> bool:
     """Some post-state satisfies the transition from the sampled pre-state and action."""
-    s, a, _, relation = _relation(SYSTEM, sample.op)
+    s, a, _, relation = _ts.relation(SYSTEM, sample.op)
     solver = z3.Solver()
     solver.add(z3.substitute(relation, *state_pins(s, sample.pre), *action_pins(a, sample.action)))
     return solver.check() == z3.sat
