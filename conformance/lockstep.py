@@ -111,14 +111,14 @@ class MisuseCall:
     implementation: Callable[[], Any]
 
 
-def _declare(op: Operation, strategies: Mapping[str, Any], target: Any) -> Callable[[Callable[..., Any]], Any]:
+def _declare(op: Operation, strategies: Mapping[str, Any]) -> Callable[[Callable[..., Any]], Any]:
     def decorate(function: Callable[..., Any]) -> Any:
         @functools.wraps(function)
         def body(self: Lockstep[Any, Any], **kwargs: Any) -> Any:
             return self._execute(op, function, kwargs)
 
         gated = precondition(lambda self: self._enabled(op))(body)
-        final = rule(target=target, **strategies)(gated) if target is not None else rule(**strategies)(gated)
+        final = rule(**strategies)(gated)
         setattr(final, _OPERATION, op)
         return final
 
@@ -126,32 +126,31 @@ def _declare(op: Operation, strategies: Mapping[str, Any], target: Any) -> Calla
 
 
 def operation(name: str | None = None, *, needs: Needs | Iterable[Capability] = frozenset(),
-              needs_any: Iterable[Capability] = (), when: Callable[[Any], Any] | None = None, target: Any = None,
+              needs_any: Iterable[Capability] = (), when: Callable[[Any], Any] | None = None,
               environment: bool = False, **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare a rule that performs the reference operation named like the method (or ``name``).
 
     ``strategies`` are Hypothesis strategies for the method's arguments (``data=st.data()``
-    for draws that depend on the state); ``target`` is a Hypothesis ``Bundle`` the rule's
-    result goes to. The operation's name must be a function of the component's reference
+    for draws that depend on the state). The operation's name must be a function of the component's reference
     module and a transition of its spec, and, unless it acts on the ``environment`` (index
     memory, the scheduler), a method of the component's contract (``tests/test_registry.py``).
     """
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
         op = Operation(name or function.__name__, caps, frozenset(needs_any), when, True, environment)
-        return _declare(op, strategies, target)(function)
+        return _declare(op, strategies)(function)
 
     return decorate
 
 
 def scenario(*, needs: Needs | Iterable[Capability] = frozenset(), needs_any: Iterable[Capability] = (),
-             when: Callable[[Any], Any] | None = None, target: Any = None,
+             when: Callable[[Any], Any] | None = None,
              **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare a harness step made of several operations (its name is the method's); gated and recorded alike."""
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
         op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True)
-        return _declare(op, strategies, target)(function)
+        return _declare(op, strategies)(function)
 
     return decorate
 
@@ -372,7 +371,6 @@ class Binding(Generic[ConfigT]):
     replay_hint: str = ""
     op_timeout: float | None = None  # seconds per implementation call; None: no deadline
     stats: RunStats = field(default_factory=RunStats)
-    recording: bool = True  # False while replaying a vector (its draws are replayed, not recorded)
 
 
 # ---------------------------------------------------------------- the machine

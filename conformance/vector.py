@@ -5,9 +5,7 @@ Every rule declared with ``operation`` / ``scenario`` / ``misuse``
 "args": {...}, "draws": [...]}``: the rule's plain arguments and every value it drew from
 its ``data`` object, in order. Rules draw plain values with ``data.draw(strategy)``
 (recorded as they are), pick among objects with ``data.choose(options)`` /
-``data.choose_many(options)`` (recorded as indices), and may receive handles from
-Hypothesis bundles (anything with a ``handle`` attribute, recorded as that id). Nothing
-here reads Hypothesis internals.
+``data.choose_many(options)`` (recorded as indices). Nothing here reads Hypothesis internals.
 
 A failing run's vector is saved with its report; :func:`replay` rebuilds the component's
 machine for any implementation and runs the same steps, handing out the recorded values
@@ -43,8 +41,6 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    if hasattr(value, "handle"):  # a value from a Hypothesis bundle
-        return {"handle": value.handle}
     if hasattr(value, "value") and isinstance(value.value, str | int):  # enums
         return value.value
     raise HarnessBug(f"a rule drew a value that cannot be recorded, {type(value).__name__}: {value!r} "
@@ -167,12 +163,6 @@ def load_vector(path_or_text: str | Path) -> dict[str, Any]:
     return doc
 
 
-def _resolve(machine: Any, value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"handle"}:
-        return machine.resolve_handle(value["handle"])
-    return value
-
-
 def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
     """Run ``vector``'s steps on ``machine`` (a fresh :class:`~kvproof.conformance.lockstep.Lockstep`)."""
     label, component = str(vector["config"].get("label", "?")), str(vector["component"])
@@ -194,7 +184,7 @@ def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
                     raise VectorError(f"step {i}: rule {name} is not applicable here (precondition false; the "
                                       "implementation declares other capabilities?)")
                 method = getattr(machine, type(machine).rule_methods[name])
-            kwargs = {k: _resolve(machine, v) for k, v in dict(step.get("args", {})).items()}
+            kwargs = dict(step.get("args", {}))
             if step.get("draws") or name == "misuse" or "data" in _parameters(method):
                 kwargs["data"] = ReplayData(step.get("draws", []), where)
             method(**kwargs)

@@ -179,9 +179,9 @@ def test_a_recorded_run_replays_without_hypothesis() -> None:
     vector = {"component": "toy", "config": {"label": "toy4"}, "steps": machine.vector}
     assert vector["steps"] == [{"rule": "take", "args": {"n": 2}, "draws": []},
                                {"rule": "give", "args": {}, "draws": [{"pick": 1}]}]
-    again = replay(vector, Toy(Binding(Leaky, Config(4), stats=RunStats(), recording=False)))
+    again = replay(vector, Toy(Binding(Leaky, Config(4), stats=RunStats())))
     assert again.failure and "free pages" in again.failure
-    assert replay(vector, Toy(Binding(Pool, Config(4), stats=RunStats(), recording=False))).passed
+    assert replay(vector, Toy(Binding(Pool, Config(4), stats=RunStats()))).passed
 
 
 def test_a_misuse_case_of_an_undeclared_operation_is_a_harness_bug() -> None:
