@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvproof.reference.errors import ConfigError
-from kvproof.reference.registry import Component
+from kvproof.reference.registry import Component, options
 
 __all__ = ["main"]
 
@@ -65,13 +65,11 @@ COMPONENTS = click.option("--component", "components", multiple=True, type=COMPO
 
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add one click option per declared suite option (``--policy`` ...), collected into ``suite_options``."""
-    from kvproof.conformance.plan import suite_options
-
-    options = suite_options()
-    for option in reversed(options):
+    declared = options()
+    for option in reversed(declared):
         command = click.option(f"--{option.name}", option.name, default=option.default, show_default=True,
                                type=click.Choice(list(option.choices)), help=option.help)(command)
-    names = [o.name for o in options]
+    names = [o.name for o in declared]
 
     @functools.wraps(command)  # carries click's collected parameters along
     def collected(**kwargs: Any) -> Any:

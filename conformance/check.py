@@ -40,25 +40,13 @@ from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
-__all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "SuiteOption", "check",
+__all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
            "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "get_suite", "kill_mutants",
            "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check", "run_swa_allocator_check"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
 DEFAULT_OP_TIMEOUT = 60.0
-
-
-@dataclass(frozen=True)
-class SuiteOption:
-    """A per-component option of ``kvproof conform`` (e.g. ``--policy``), declared by the suite."""
-
-    name: str
-    choices: tuple[str, ...]
-    default: str
-    help: str
-    #: the value as machine options (keyword arguments of the suite's machine binding)
-    apply: Callable[[str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -69,10 +57,14 @@ class Suite:
     configs: tuple[Any, ...]
     #: machine options that are pydantic models, by name (rebuilt from JSON when a vector is replayed)
     option_types: Mapping[str, type[BaseModel]] = field(default_factory=dict)
-    cli_options: tuple[SuiteOption, ...] = ()
+    #: each run option of the component (``kvproof.reference.registry.Option``): its value as machine options
+    apply: Mapping[str, Callable[[str], dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.component  # noqa: B018 - a machine that declares no component is refused here, not at first use
+        declared = {o.name for o in info(self.component).options}
+        if declared != set(self.apply):
+            raise HarnessBug(f"{self.machine.__name__}: the registry declares options {sorted(declared)}, the "
+                             f"suite applies {sorted(self.apply)}")
 
     @property
     def component(self) -> Component:
@@ -98,14 +90,21 @@ class Suite:
     def misuse_cases(self) -> dict[str, MisuseCase]:
         return self.machine.misuse_cases
 
-    def options(self, chosen: Mapping[str, str]) -> dict[str, Any]:
-        """Machine options for the CLI values ``chosen`` (an option not given takes its default)."""
-        out: dict[str, Any] = {}
-        for option in self.cli_options:
+    def option_values(self, chosen: Mapping[str, str]) -> dict[str, str]:
+        """The component's run options as chosen (an option not given takes its default); bad values refused."""
+        out = {}
+        for option in info(self.component).options:
             value = chosen.get(option.name, option.default)
             if value not in option.choices:
                 raise UsageError(f"--{option.name} {value!r}: choose one of {list(option.choices)}")
-            out.update(option.apply(value))
+            out[option.name] = value
+        return out
+
+    def options(self, chosen: Mapping[str, str]) -> dict[str, Any]:
+        """Machine options for the run options ``chosen``."""
+        out: dict[str, Any] = {}
+        for name, value in self.option_values(chosen).items():
+            out.update(self.apply[name](value))
         return out
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from kvproof.conformance.check import Suite, SuiteOption
+from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.errors import HarnessBug
@@ -228,8 +228,5 @@ def _policy(value: str) -> dict[str, Any]:
     return {"decode_config": DEFAULT_DECODE_CONFIG.model_copy(update={"policy": dp.PreallocPolicy(value)})}
 
 
-SUITE = Suite(DecodePreallocMachine, CONFORMANCE_CONFIGS,
-              option_types={"decode_config": dp.DecodeConfig},
-              cli_options=(SuiteOption("policy", tuple(p.value for p in dp.PreallocPolicy), "corrected",
-                                       "decode_prealloc: the scheduler's admission policy (upstream crashes: S2)",
-                                       _policy),))
+SUITE = Suite(DecodePreallocMachine, CONFORMANCE_CONFIGS, option_types={"decode_config": dp.DecodeConfig},
+              apply={"policy": _policy})

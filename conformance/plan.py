@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, SuiteOption, get_suite, run_check
+from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
 from kvproof.conformance.errors import ImplSpecError, UsageError
 from kvproof.conformance.generation import forced_seed
 from kvproof.conformance.profiles import get_profile
@@ -33,16 +33,7 @@ from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, info, parse_components
 
 __all__ = ["Impl", "Plan", "PlannedTest", "declared_components", "load_factory", "load_impls", "plan", "run_plan",
-           "run_planned", "suite_options"]
-
-
-def suite_options() -> list[SuiteOption]:
-    """The options the suites declare (``--policy`` of ``decode_prealloc``), once each, in registry order."""
-    seen: dict[str, SuiteOption] = {}
-    for component in Component:
-        for option in get_suite(component).cli_options:
-            seen.setdefault(option.name, option)
-    return list(seen.values())
+           "run_planned"]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -156,7 +147,7 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
     for suite in suites:
         impl = _impl_for(suite.component, impls)
         options = suite.options(chosen)
-        option_args = {o.name: chosen.get(o.name, o.default) for o in suite.cli_options}
+        option_args = suite.option_values(chosen)
         for cfg in suite.configs:
             if labels and cfg.label() not in labels:
                 continue

@@ -24,21 +24,22 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvproof.conformance.plan import Plan, PlannedTest, load_impls, plan, run_planned, suite_options
-from kvproof.conformance.profiles import PROFILES
-from kvproof.conformance.report import Outcome, impl_version, load_selection
-from kvproof.reference.registry import Component
+from kvproof.reference.registry import Component, options
+
+if TYPE_CHECKING:  # the plugin loads in every pytest session: the harness is imported when a kvproof test runs
+    from kvproof.conformance.plan import Plan, PlannedTest
+    from kvproof.conformance.report import Outcome
 
 __all__ = ["kvproof_profile", "kvproof_seed", "kvproof_test_run", "pytest_addoption", "pytest_generate_tests",
            "pytest_report_collectionfinish", "pytest_terminal_summary"]
 
-_PLAN = pytest.StashKey[Plan]()
+_PLAN = pytest.StashKey["Plan"]()
 _SEED = pytest.StashKey["int | str"]()
-_OUTCOMES = pytest.StashKey[list[Outcome]]()
+_OUTCOMES = pytest.StashKey["list[Outcome]"]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,24 +51,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="component suite to run; repeatable (default: all, or those the implementations declare)")
     group.addoption("--kvproof-config", action="append", default=None, metavar="LABEL",
                     help="run only this config (e.g. P4-W6-F48-S24); repeatable")
-    group.addoption("--kvproof-profile", default="ci", choices=sorted(PROFILES), help="Hypothesis profile")
+    group.addoption("--kvproof-profile", default="ci", help="Hypothesis profile: ci, dev, nightly or smoke")
     group.addoption("--kvproof-seed", type=int, default=None, help="seed of a randomized profile (default: chosen)")
     group.addoption("--kvproof-skip-file", default=None, help="lines 'component/config  # reason': skipped")
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
-    for option in suite_options():
+    for option in options():
         group.addoption(f"--kvproof-{option.name}", default=option.default, choices=list(option.choices),
                         help=option.help)
 
 
 def _plan(config: pytest.Config) -> Plan:
+    from kvproof.conformance.plan import load_impls, plan
+    from kvproof.conformance.profiles import get_profile
+    from kvproof.conformance.report import load_selection
+
     if _PLAN not in config.stash:
         opt = config.getoption
         specs = list(opt("kvproof_impl") or os.environ.get("KVPROOF_IMPL", "").split())
         selection = load_selection(opt("kvproof_skip_file"), opt("kvproof_xfail_file"))
-        chosen = {o.name: str(opt(f"kvproof_{o.name}")) for o in suite_options()}
+        chosen = {o.name: str(opt(f"kvproof_{o.name}")) for o in options()}
         config.stash[_PLAN] = plan(opt("kvproof_component") or (), load_impls(specs), opt("kvproof_config") or (),
                                    selection, chosen)
-        profile = PROFILES[opt("kvproof_profile")]
+        profile = get_profile(opt("kvproof_profile"))
         seed = opt("kvproof_seed")
         config.stash[_SEED] = ("derandomized (derived from each test)" if profile.derandomize
                                else seed if seed is not None else random.randrange(2**32))
@@ -96,6 +101,8 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Any, items
     """The report header: implementation, version, capabilities, profile and seed (only if the suite was collected)."""
     if _PLAN not in config.stash:
         return []
+    from kvproof.conformance.report import impl_version
+
     the_plan = config.stash[_PLAN]
     lines = [f"kvproof: profile {config.getoption('kvproof_profile')}, seed {config.stash[_SEED]}"]
     shown: set[tuple[str, str]] = set()
@@ -128,10 +135,12 @@ def kvproof_seed(request: pytest.FixtureRequest) -> int | str:
 def kvproof_test_run(request: pytest.FixtureRequest, test: PlannedTest) -> Outcome:
     """Run one planned test under the session's seed and record its counters (used by the suite's test)."""
     from kvproof.conformance.generation import forced_seed
+    from kvproof.conformance.plan import run_planned
+    from kvproof.conformance.profiles import get_profile
 
     seed = request.config.stash[_SEED]
     profile = str(request.config.getoption("kvproof_profile"))
-    with forced_seed(seed if isinstance(seed, int) else None, PROFILES[profile].derandomize) as used:
+    with forced_seed(seed if isinstance(seed, int) else None, get_profile(profile).derandomize) as used:
         outcome = run_planned(test, profile=profile, seed=used)
     request.config.stash[_OUTCOMES].append(outcome)
     report = outcome.report

@@ -32,7 +32,8 @@ from types import MappingProxyType
 
 from kvproof.reference.errors import ConfigError
 
-__all__ = ["REGISTRY", "Component", "ComponentInfo", "Layer", "UnknownComponent", "info", "parse_components"]
+__all__ = ["REGISTRY", "Component", "ComponentInfo", "Layer", "Option", "UnknownComponent", "info", "options",
+           "parse_components"]
 
 
 class Component(enum.StrEnum):
@@ -64,6 +65,20 @@ class UnknownComponent(ConfigError):
 
 
 @dataclass(frozen=True)
+class Option:
+    """A per-component option of a conformance run (``kvproof conform --policy``, ``--kvproof-policy``).
+
+    Declared here, so the command line and the pytest plugin offer it without importing the
+    suites; the component's suite turns a chosen value into its machine's options.
+    """
+
+    name: str
+    choices: tuple[str, ...]
+    default: str
+    help: str
+
+
+@dataclass(frozen=True)
 class ComponentInfo:
     """One registry entry: what the component is, where its semantics are written, how it is served."""
 
@@ -75,6 +90,8 @@ class ComponentInfo:
     default_impl: str
     #: layers the component has no module in, each with the reason (every other layer must exist)
     absent: Mapping[Layer, str] = field(default_factory=dict)
+    #: options of its conformance runs (the suite maps each value to machine options)
+    options: tuple[Option, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "absent", MappingProxyType(dict(self.absent)))
@@ -112,6 +129,8 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         "kvproof.gpu_runtime.swa_allocator:SWATokenToKVPoolAllocator",
         absent={Layer.RUNTIME: "the decode node is scheduler logic, not a pool: its suite replays the reference "
                                "scheduler's allocator calls on the swa_allocator runtime (or any allocator)"},
+        options=(Option("policy", ("corrected", "upstream"), "corrected",
+                        "decode_prealloc: the scheduler's admission policy (upstream crashes: S2)"),),
     ),
     ComponentInfo(
         Component.HISPARSE_HOST,
@@ -128,6 +147,15 @@ def info(component: Component | str) -> ComponentInfo:
         return REGISTRY[Component(component)]
     except ValueError:
         raise UnknownComponent(component) from None
+
+
+def options() -> tuple[Option, ...]:
+    """Every component's run options, once each by name, in registry order."""
+    seen: dict[str, Option] = {}
+    for entry in REGISTRY.values():
+        for option in entry.options:
+            seen.setdefault(option.name, option)
+    return tuple(seen.values())
 
 
 def parse_components(names: Iterable[Component | str]) -> tuple[Component, ...]:

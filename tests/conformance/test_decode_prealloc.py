@@ -67,3 +67,16 @@ def test_rules_an_allocator_cannot_serve_are_not_applicable_and_not_run() -> Non
     report = run_check("decode_prealloc", NoDecode, CONFORMANCE_CONFIGS[2], profile="dev", failures_dir=None)
     assert report.passed and {"pop_preallocated", "decode", "retract"} <= set(report.not_applicable)
     assert not any(report.rules.get(r) for r in ("pop_preallocated", "decode", "retract", "resume_retracted_reqs"))
+
+
+def test_the_policy_option_is_declared_once_and_maps_to_the_scheduler() -> None:
+    """``--policy`` comes from the registry (the CLI and the plugin need no suite import); the suite applies it."""
+    from kvproof.conformance.check import get_suite
+    from kvproof.reference.decode_prealloc import PreallocPolicy
+    from kvproof.reference.registry import info
+
+    (option,) = info("decode_prealloc").options
+    assert option.name == "policy" and set(option.choices) == {p.value for p in PreallocPolicy}
+    suite = get_suite("decode_prealloc")
+    assert suite.options({"policy": "upstream"})["decode_config"].policy is PreallocPolicy.UPSTREAM
+    assert suite.options({})["decode_config"].policy is PreallocPolicy(option.default)
