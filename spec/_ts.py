@@ -76,10 +76,12 @@ __all__ = [
     "accepts_pinned",
     "bmc",
     "bounded",
+    "combine_agrees",
     "consecution",
     "evaluate",
     "find_trace",
     "first_broken",
+    "has_successor",
     "initiation",
     "invariant_broken",
     "obligation",
@@ -690,6 +692,27 @@ def relation(system: TransitionSystem[S, A], op: str) -> tuple[S, A, S, z3.BoolR
         _RELATIONS[key] = (system, s, a, t, system.transitions[op](s, a, t))  # the system keeps its id taken
     _, s, a, t, rel = _RELATIONS[key]
     return s, a, t, rel
+
+
+def has_successor(system: TransitionSystem[S, A], op: str, pre: Callable[[S], Pins],
+                  action: Callable[[A], Pins] | None = None) -> bool:
+    """Some post-state satisfies ``transitions[op]`` from the pinned pre-state (and action): the model lets the
+    call happen. A drift test expects none for a call the reference rejects."""
+    s, a, _, rel = relation(system, op)
+    solver = z3.Solver()
+    solver.add(z3.substitute(rel, *pre(s), *(action(a) if action is not None else ())))
+    return bool(solver.check() == z3.sat)
+
+
+def combine_agrees(system: TransitionSystem[S, A], op: str) -> bool:
+    """With ``op`` chosen, the multi-op step (``combine``, when given) is exactly ``transitions[op]``: a model's
+    cheaper combined step must not change any transition (BMC and induction use it; drift tests and per-op
+    obligations use the transition)."""
+    step = Step.fresh(system)
+    single = system.transitions[op](step.pre, step.action, step.post)
+    solver = z3.Solver()
+    solver.add(step.is_(op), step.relation(system.ops) != single)
+    return bool(solver.check() == z3.unsat)
 
 
 def evaluate(system: TransitionSystem[S, A], op: str, pre: Callable[[S], Pins], post: Callable[[S], Pins],

@@ -238,10 +238,8 @@ def accepts(system: _ts.TransitionSystem[spec.State, spec.Action], sample: Sampl
 
 def has_successor(sample: Sample) -> bool:
     """Some post-state satisfies the transition from the sampled pre-state and action."""
-    s, a, _, relation = _ts.relation(SYSTEM, sample.op)
-    solver = z3.Solver()
-    solver.add(z3.substitute(relation, *state_pins(s, sample.pre), *action_pins(a, sample.action)))
-    return solver.check() == z3.sat
+    return _ts.has_successor(SYSTEM, sample.op, lambda s: state_pins(s, sample.pre),
+                             lambda a: action_pins(a, sample.action))
 
 
 # ---- the tests --------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ ghost flag ``dirty`` (``c > 0``). Its invariant ``0 <= c <= 3`` is inductive; a 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,3 +149,27 @@ def test_frames_and_steps() -> None:
     solver.add(step.relation(("reset",)), step.pre.c == 2)
     assert solver.check() == z3.sat and step.op_name(solver.model()) == "reset"
     assert _ts.Unrolling.depth_of(solver.model()) == 0
+
+
+def test_combine_agrees_catches_a_combined_step_that_changes_a_transition() -> None:
+    """A model's cheaper ``combine`` must equal each op's own relation; the kit's check refutes one that does not."""
+    def combine(step: Step[Counter, By], ops: tuple[str, ...]) -> z3.BoolRef:
+        return z3.Or([z3.And(step.is_(op), SYSTEM.transitions[op](step.pre, step.action, step.post)) for op in ops])
+
+    def combine_unguarded(step: Step[Counter, By], ops: tuple[str, ...]) -> z3.BoolRef:
+        broken = {"inc": inc_unguarded, "reset": reset}
+        return z3.Or([z3.And(step.is_(op), broken[op](step.pre, step.action, step.post)) for op in ops])
+
+    good = dataclasses.replace(SYSTEM, combine=combine)
+    bad = dataclasses.replace(SYSTEM, combine=combine_unguarded)
+    assert all(_ts.combine_agrees(good, op) for op in good.ops)
+    assert not _ts.combine_agrees(bad, "inc") and _ts.combine_agrees(bad, "reset")
+
+
+def test_has_successor_says_whether_the_model_lets_a_call_happen() -> None:
+    def at(value: int) -> Callable[[Counter], list[tuple[z3.ExprRef, z3.ExprRef]]]:
+        return lambda s: [(s.c, z3.IntVal(value)), (s.dirty, z3.BoolVal(value > 0))]
+
+    assert _ts.has_successor(SYSTEM, "inc", at(2))
+    assert not _ts.has_successor(SYSTEM, "inc", at(3))  # the guard: c < 3
+    assert _ts.has_successor(SYSTEM, "reset", at(3))
