@@ -415,8 +415,10 @@ def fits_empty_pool(state: AdmissionState, rid: int) -> bool:
 
 
 def inc_lock_ref(state: AdmissionState, node: int) -> tuple[AdmissionState, tuple[int, ...]]:
-    """Lock the window walk from ``node`` (§1.7: device SWA moves from evictable to protected); returns the nodes."""
-    _check_node_id(state, "inc_lock_ref", node)
+    """Lock the window walk from ``node`` (§1.7: device SWA moves from evictable to protected); returns the nodes
+    (none for ``-1``, the root)."""
+    if node != -1:
+        _check_node_id(state, "inc_lock_ref", node)
     held = window_walk(state, node).nodes
     nodes = list(state.nodes)
     for i in held:

@@ -368,3 +368,14 @@ def test_accounting_and_lock_refs_hold_on_random_runs(policy: Policy) -> None:
     assert sum(a for a, _ in totals) > 40, totals
     if policy is Policy.CORRECTED:
         assert all(o == 0 for _, o in totals), "corrected never runs out after admission"
+
+
+def test_a_request_without_a_match_is_admitted_and_finishes() -> None:
+    """Best-match node -1 (the root): nothing to lock or load; the whole prompt is one chunk."""
+    state = ad.initial_state(config(Policy.CORRECTED, swa_pages=8, chunk=None))
+    state, rid = ad.arrive(state, 100, 4, -1)
+    state, result = admit(state, rid)
+    assert result is ad.AddReqResult.CONTINUE and state.requests[rid].locked == ()
+    state = checked(ad.prepare_for_extend(state))
+    assert state.available == 8 - 2
+    assert checked(ad.cache_finished_req(state, rid)).available == 8

@@ -1,0 +1,146 @@
+"""admission: every obligation gets its verdict fast, twins read as numbers, the Z3 budgets are the reference's.
+
+The budget builders of ``kvproof.spec.admission`` are evaluated on concrete integers and compared with
+``kvproof.reference.admission`` (sglang_semantics.md §5.2, upstream_0523_vllm_fuzz.md §1.2); the S8 and S9
+twins print the numbers the reference's runs show (tests/reference/test_admission.py); every obligation is
+named so that ``kvproof prove -k admission.<op>`` selects it, and the module has the shape the registry
+collects (``kvproof.spec.collect``), so registering the component later needs no change here.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvproof.reference import admission as ad
+from kvproof.reference.arith import ceil_p
+from kvproof.spec import Result, collect, run
+from kvproof.spec import admission as spec
+from kvproof.spec._solver import closed_value as value
+
+NAMES = {ob.name: ob for ob in spec.OBLIGATIONS}
+
+
+@functools.cache
+def result(name: str) -> Result:
+    return run(NAMES[name])
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_every_obligation_gets_its_verdict_quickly(name: str) -> None:
+    r = result(name)
+    assert r.status != "unknown", r.detail
+    assert r.ok, f"{name}: expected {r.obligation.expect}, got {r.status}\n{r.detail}"
+    assert r.seconds < 5, f"{name} took {r.seconds:.1f} s"
+
+
+def test_the_module_has_the_registry_shape() -> None:
+    """Names ``admission.<op or round>.<claim>``, twins naming a sound obligation, one per family at least."""
+    assert collect({"admission": spec}) == spec.OBLIGATIONS
+    ops = {"add_one_req", "swa_budget_for_req", "match_prefix_for_req", "round"}
+    for ob in spec.OBLIGATIONS:
+        assert ob.name.split(".")[1] in ops, ob.name
+        if ob.twin_of is not None:
+            assert ob.twin_of in NAMES and NAMES[ob.twin_of].twin_of is None and ob.name.startswith(ob.twin_of + ".")
+    sound = {ob.name for ob in spec.OBLIGATIONS if ob.twin_of is None}
+    twinned = {ob.twin_of for ob in spec.OBLIGATIONS if ob.twin_of is not None}
+    # every sound obligation has a twin but the two A2 proofs whose twin is a2_monotone's (upstream_0523)
+    assert sorted(sound - twinned) == ["admission.add_one_req.a2_monotone_pre_27391",
+                                       "admission.add_one_req.a2_monotone_upstream_27391"]
+
+
+def _numbers(detail: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"\b([A-Za-z_]+)=(-?\d+)", detail)}
+
+
+def test_every_twin_prints_readable_numbers() -> None:
+    for ob in spec.OBLIGATIONS:
+        if ob.twin_of is None:
+            continue
+        detail = result(ob.name).detail
+        assert re.search(r"\d", detail) and "div0" not in detail and "mod0" not in detail, detail
+        if ".a1_" in ob.name or ".live_idle_pool" in ob.name:
+            x = _numbers(detail)
+            assert {"P", "W", "T", "e", "swa_host_hit_length"} <= x.keys(), (ob.name, detail)
+            assert "page size" in detail and "window" in detail and "SWA pool" in detail, detail
+
+
+def test_s8_twin_prints_the_references_numbers() -> None:
+    detail = result("admission.add_one_req.a1_upstream_27391.pre_27391_s8").detail
+    assert "pre_27391: page size P=64, window W=128, chunk C=512" in detail
+    assert "SWA pool T=10 pages" in detail and "e=2000 (Full host hit 1024 -> e'=976)" in detail
+    assert "budget 576 against rem_swa_tokens 640" in detail
+    assert "load-back takes 3 pages -> 7 left; the chunk of 512 tokens needs 8 pages" in detail
+    # the same numbers through the reference (tests/reference/test_admission.py::test_s8_*)
+    assert ad.swa_budget_for_req(2000, 0, window=128, page_size=64, rem_chunk_tokens=512) == 576
+
+
+def test_s9_twin_prints_the_references_numbers() -> None:
+    detail = result("admission.add_one_req.live_idle_pool.upstream_27391_s9").detail
+    assert "upstream_27391: page size P=64, window W=128" in detail and "idle SWA pool of T=32 pages" in detail
+    assert "swa_host_hit_length=4096" in detail and "budget 4288 >= rem_swa_tokens 2048" in detail
+    assert ad.swa_budget_for_req(64, 4096, window=128, page_size=64, rem_chunk_tokens=512) == 4288
+
+
+def test_a1_twins_admit_and_run_out() -> None:
+    for name in ("add_one_req.a1_upstream_27391.pre_27391", "add_one_req.a1_upstream_27391.stale_match",
+                 "add_one_req.a1_upstream_0523.stale_match", "add_one_req.a1_corrected.no_lock_recheck",
+                 "add_one_req.a1_corrected.uncapped_load_back", "add_one_req.a1_corrected.snapshot_reused"):
+        detail = result(f"admission.{name}").detail
+        assert ": admitted." in detail and "runs out of SWA" in detail, (name, detail)
+    for name in ("add_one_req.a1_upstream_27391.stale_match", "add_one_req.a1_upstream_0523.stale_match"):
+        detail = result(f"admission.{name}").detail
+        snap = int(re.search(r"swa_host_hit_length=(\d+) at match time", detail).group(1))
+        whole = int(re.search(r"load-back restores (\d+) tokens whole", detail).group(1))
+        assert whole > snap, detail  # stale: load-back restores more than the match-time value said
+
+
+# ---- the builders against the reference ------------------------------------------------------
+
+
+@given(e=st.integers(0, 5000), h=st.integers(0, 5000), w=st.integers(1, 600), p=st.integers(1, 128),
+       chunk=st.none() | st.integers(0, 4000))
+def test_swa_budget_term(e: int, h: int, w: int, p: int, chunk: int | None) -> None:
+    term = spec.swa_budget_term(e, h, w, p, chunk or 0, chunk is not None)
+    assert value(term) == ad.swa_budget_for_req(e, h, window=w, page_size=p, rem_chunk_tokens=chunk)
+
+
+@given(e=st.integers(0, 5000), m=st.integers(0, 600), h=st.integers(0, 5000), w=st.integers(1, 600),
+       p=st.integers(1, 128), limit=st.none() | st.integers(0, 4000))
+def test_estimate_term(e: int, m: int, h: int, w: int, p: int, limit: int | None) -> None:
+    term = spec.estimate_swa_kv_tokens_term(e, m, w, p, limit or 0, limit is not None, h)
+    assert value(term) == ad.estimate_swa_kv_tokens(e, m, window=w, page_size=p, allocation_limit=limit,
+                                                    host_hit_length=h)
+
+
+@given(e=st.integers(1, 3000), m=st.integers(0, 300), h_pages=st.integers(0, 40), p=st.sampled_from([1, 2, 16, 64]),
+       w=st.integers(1, 300), pages=st.integers(1, 60), remaining=st.integers(-200, 4000),
+       limit=st.none() | st.integers(1, 2000))
+def test_check_prefill_terms(e: int, m: int, h_pages: int, p: int, w: int, pages: int, remaining: int,
+                             limit: int | None) -> None:
+    c = ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=pages, policy=ad.AdmissionPolicy.UPSTREAM_0523)
+    admit, cap = spec.check_prefill_terms(e, m, h_pages * p, remaining, c.size_swa, w, p, limit or 0,
+                                          limit is not None)
+    ok, chunk = ad.check_prefill(c, e, m, h_pages * p, remaining, limit)
+    assert value(admit) == ok
+    if ok and chunk is not None:
+        assert value(cap) == chunk
+
+
+@given(e=st.integers(1, 3000), own=st.integers(0, 20), w=st.integers(1, 300), p=st.sampled_from([1, 4, 64]),
+       pages=st.integers(1, 80), chunk=st.none() | st.integers(64, 1000))
+def test_fits_empty_pool_term(e: int, own: int, w: int, p: int, pages: int, chunk: int | None) -> None:
+    """The reference's ``fits_empty_pool`` on a one-node tree (a device node of ``own`` pages, the request's window)."""
+    chunk = None if chunk is None else max(chunk, p)
+    nodes = [ad.Node(parent=-1, length=own * p, full_on_device=True, swa=ad.SwaValue.DEVICE)] if own else []
+    c = ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=max(pages, own), chunk_size=chunk)
+    state, rid = ad.arrive(ad.initial_state(c, nodes), own * p + e, 0, 0 if own else -1)
+    walk_own = ad.window_walk(state, state.requests[rid].node).device_pages
+    term = spec.fits_empty_pool_term(e, walk_own, w, p, c.swa_pages, chunk or p, chunk is not None)
+    assert value(term) == ad.fits_empty_pool(state, rid)
+    a = e if chunk is None else min(e, chunk)
+    assert ad.fits_empty_pool(state, rid) == (max(a, w) + p + ceil_p(w, p) < (c.swa_pages - walk_own) * p)
