@@ -34,7 +34,8 @@ A1 ("admitted => load-back and the next chunk's allocation succeed", §5.6): the
   ``.uncapped_load_back``, ``.snapshot_reused``;
 * ``round.initiation`` / ``round.consecution``: the invariant is inductive over every op but a
   standalone ``init_load_back`` under ``corrected`` (twins: the standalone load-back, i.e. SWA consumed
-  between check and allocation; ``upstream_27391`` with stale values);
+  between check and allocation; ``upstream_27391`` with stale values); ``round.consecution_upstream_27391``:
+  the same under ``upstream_27391`` with fresh values (twin: ``pre_27391``);
 * ``add_one_req.live_idle_pool`` (liveness): in an idle round (nothing locked, held, reserved or
   pending) a request that fits the empty pool (:func:`fits_empty_pool_term`) is admitted; a refused
   ``add_one_req`` changes nothing, so in an idle pool a request refused once is refused in every round.
@@ -79,10 +80,12 @@ __all__ = [
     "S9",
     "SYSTEM",
     "SYSTEMS",
+    "SYSTEMS_BY_POLICY",
     "Action",
     "Decision",
     "Policy",
     "State",
+    "Variant",
     "add_one_req",
     "cache_finished_req",
     "check_prefill_terms",
@@ -356,7 +359,7 @@ def add_one_req(s: State, a: Action, t: State, *, policy: Policy = Policy.CORREC
 def init_load_back(s: State, a: Action, t: State, *, policy: Policy = Policy.CORRECTED) -> z3.BoolRef:
     """A load-back on its own (its window already locked): ``lb`` pages leave ``room`` and are protected."""
     lb = a.lb_cap if policy is Policy.CORRECTED else a.lb_whole
-    return z3.And(lb >= 0, lb <= s.room, t.room == s.room - lb, t.locked == s.locked + lb,
+    return z3.And(a.lb_cap >= 0, a.lb_cap <= a.lb_whole, lb <= s.room, t.room == s.room - lb, t.locked == s.locked + lb,
                   *_frame(s, t, "room", "locked"))
 
 
@@ -383,7 +386,7 @@ def cache_finished_req(s: State, a: Action, t: State) -> z3.BoolRef:
 def init(s: State) -> z3.BoolRef:
     """``initial_state``: every device page of the tree evictable, the rest free (``room == T``), no round."""
     return z3.And(*constants(s), s.room == s.T, s.locked == 0, s.held == 0, z3.Not(s.open), s.offset == 0,
-                  s.pending == 0, z3.Not(s.chunked))
+                  s.rem_chunk == s.C, s.pending == 0, z3.Not(s.chunked))
 
 
 def invariant_clauses(s: State) -> list[tuple[str, z3.BoolRef]]:
@@ -394,6 +397,9 @@ def invariant_clauses(s: State) -> list[tuple[str, z3.BoolRef]]:
             ("accounting: room (free + evictable) + locked + held == T", s.room + s.locked + s.held == s.T),
             ("a closed round has nothing pending, reserved or chunked",
              z3.Implies(z3.Not(s.open), z3.And(s.pending == 0, s.offset == 0, z3.Not(s.chunked)))),
+            ("the chunk left is at most C (C once the round is closed); no chunked request without chunking",
+             z3.And(s.rem_chunk <= s.C, z3.Implies(z3.Not(s.open), s.rem_chunk == s.C),
+                    z3.Implies(z3.Not(s.chunking), z3.Not(s.chunked)))),
             ("A1: the reservations cover the pending chunks (pending * P <= offset)", s.pending * s.P <= s.offset),
             ("A1: the pending chunks fit (pending <= room)", s.pending <= s.room)]
 
@@ -414,13 +420,15 @@ def cells(m: z3.ModelRef, s: State) -> tuple[str, ...]:
 
 def describe(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
     op, a = step.op_name(m), step.action
+    p = as_int(m, step.pre.P)
+    load = f"load-back {as_int(m, a.lb_whole) * p} whole / {as_int(m, a.lb_cap) * p} capped tokens"
     if op == "add_one_req":
         verdict = as_int(m, a.result)
-        return (f"add_one_req(e={as_int(m, a.e)} host_full={as_int(m, a.host_full)} m={as_int(m, a.m)} "
-                f"h_snap={as_int(m, a.h_snap)}p own={as_int(m, a.own)}p lb={as_int(m, a.lb_whole)}p/"
-                f"{as_int(m, a.lb_cap)}p) -> {RESULTS[verdict] if 0 <= verdict < 3 else verdict}")
+        return (f"add_one_req(e={as_int(m, a.e)}, host_full={as_int(m, a.host_full)}, m={as_int(m, a.m)}, "
+                f"swa_host_hit_length={as_int(m, a.h_snap) * p} at match, own window {as_int(m, a.own)} pages, {load})"
+                f" -> {RESULTS[verdict] if 0 <= verdict < 3 else verdict}")
     if op == "init_load_back":
-        return f"init_load_back(lb={as_int(m, a.lb_whole)}p/{as_int(m, a.lb_cap)}p)"
+        return f"init_load_back({load})"
     if op == "cache_finished_req":
         return f"cache_finished_req(freed={as_int(m, a.freed)}p back={as_int(m, a.back)}p)"
     if op == "evict":
@@ -637,7 +645,8 @@ def _admission_monotone(policy: Policy, *, small: bool = False) -> _ts.Check:
         smaller = [a2.e <= a1.e, d2.e_after <= d1.e_after, a2.h_snap <= a1.h_snap, a2.lb_cap <= a1.lb_cap,
                    a2.lb_whole <= a1.lb_whole, a2.m == a1.m, a2.own == a1.own]
         narrow = [*_small(s, a1), *_small(s, a2), s.chunking] if small else []
-        return [*(c for _, c in invariant_clauses(s)), s.open, *a1.walk_facts(s), *a2.walk_facts(s), *smaller,
+        # any state (the checks read room, offset and rem_chunk only): no invariant needed
+        return [*constants(s), s.room >= 0, s.offset >= 0, s.open, *a1.walk_facts(s), *a2.walk_facts(s), *smaller,
                 *narrow, d1.passes, z3.Not(d2.passes)]
 
     def render(m: z3.ModelRef) -> str:
@@ -696,11 +705,15 @@ def _a3_full_only(pre_flag: bool) -> _ts.Check:
 
 
 def _round_consecution(sys: _ts.TransitionSystem[State, Action], ops: Sequence[str],
-                       assume_fresh: bool = False) -> _ts.Check:
+                       assume_fresh: bool = False, *, admitted_only: bool = False) -> _ts.Check:
+    """Consecution of the round invariant; ``assume_fresh``: add_one_req's match-time value is fresh;
+    ``admitted_only`` (a twin's search): no ``OTHER`` verdict, nothing of its own window on device."""
+
     def build() -> list[z3.BoolRef]:
         step = _ts.Step.fresh(sys)
         fresh = [z3.Implies(step.is_("add_one_req"), step.action.fresh_match())] if assume_fresh else []
-        return [sys.holds(step.pre), *fresh, step.relation(ops), z3.Not(sys.holds(step.post))]
+        narrow = [step.action.result != OTHER, step.action.own == 0] if admitted_only else []
+        return [sys.holds(step.pre), *fresh, *narrow, step.relation(ops), z3.Not(sys.holds(step.post))]
 
     def render(m: z3.ModelRef) -> str:
         step = _ts.Step.fresh(sys)
@@ -712,7 +725,7 @@ def _round_consecution(sys: _ts.TransitionSystem[State, Action], ops: Sequence[s
 def _init_leftover(s: State) -> z3.BoolRef:
     """Twin: an initial state whose round is open with chunks left pending from before (no reservation)."""
     return z3.And(*constants(s), s.room >= 0, s.held >= 0, s.room + s.held == s.T, s.locked == 0, s.open,
-                  s.offset == 0, s.pending >= 1, z3.Not(s.chunked))
+                  s.offset == 0, s.rem_chunk == s.C, s.pending >= 1, z3.Not(s.chunked))
 
 
 # ---- registry ---------------------------------------------------------------------------------------
@@ -776,13 +789,13 @@ def _obligations() -> tuple[Obligation, ...]:
            "clause", _round_consecution(SYSTEM, ["init_load_back"]), "round.consecution"),
         ob("round.consecution.upstream_27391_stale",
            "upstream_27391's add_one_req with a stale match-time value breaks A1's round clause",
-           _round_consecution(SYSTEMS_BY_POLICY[up], ["add_one_req"]), "round.consecution"),
+           _round_consecution(SYSTEMS_BY_POLICY[up], ["add_one_req"], admitted_only=True), "round.consecution"),
         ob("round.consecution_upstream_27391",
            "upstream_27391: every op but a standalone init_load_back keeps the round invariant when add_one_req's "
            "match-time value is fresh", _round_consecution(SYSTEMS_BY_POLICY[up], ops_but_load, assume_fresh=True)),
         ob("round.consecution_upstream_27391.pre_27391",
            "pre_27391's add_one_req breaks A1's round clause",
-           _round_consecution(SYSTEMS_BY_POLICY[pre], ["add_one_req"], assume_fresh=True),
+           _round_consecution(SYSTEMS_BY_POLICY[pre], ["add_one_req"], assume_fresh=True, admitted_only=True),
            "round.consecution_upstream_27391"),
         # liveness
         ob("add_one_req.live_idle_pool",
