@@ -469,12 +469,13 @@ def _a1_text(m: z3.ModelRef, policy: Policy, s: State, a: Action, d: Decision, r
         "no chunking"
     lb, ch, pend = as_int(m, d.lb), as_int(m, d.chunk_pages), as_int(m, s.pending)
     room_in = as_int(m, s.room) - as_int(m, a.own)
+    ignored = " (the pre-#27391 budget ignores it)" if policy is Policy.PRE_27391 else ""
     head = (f"{policy.value}: page size P={p}, window W={as_int(m, s.W)}, {chunk}; SWA pool T={as_int(m, s.T)} "
             f"pages: room {as_int(m, s.room)} pages (free + evictable), offset {as_int(m, s.offset)}, pending "
             f"{pend} pages; request e={as_int(m, a.e)} (Full host hit {as_int(m, a.host_full)} -> e'="
             f"{as_int(m, d.e_after)}), m={as_int(m, a.m)}, swa_host_hit_length={as_int(m, a.h_snap) * p} at match "
-            f"time, own window {as_int(m, a.own)} pages, load-back restores {as_int(m, a.lb_whole) * p} tokens whole "
-            f"/ {as_int(m, a.lb_cap) * p} capped. ")
+            f"time{ignored}, own window {as_int(m, a.own)} pages, load-back restores {as_int(m, a.lb_whole) * p} "
+            f"tokens whole / {as_int(m, a.lb_cap) * p} capped. ")
     check = (f"budget {as_int(m, d.budget)} against rem_swa_tokens {as_int(m, d.rem_out)} outside the lock, "
              f"{as_int(m, d.rem_in)} inside: admitted. ")
     if lb > room_in:
@@ -518,6 +519,11 @@ def _pinned(s: State, a: Action, numbers: dict[str, int]) -> list[z3.BoolRef]:
     pairs = [(s.P, "P"), (s.W, "W"), (s.C, "C"), (s.T, "T"), (a.e, "e"), (a.host_full, "host_full"),
              (a.lb_whole, "lb")]
     return [s.chunking, a.own == 0, a.m == 16, *(term == numbers[key] for term, key in pairs)]
+
+
+def _small_idle(s: State, a: Action) -> list[z3.BoolRef]:
+    """:func:`_small` in a round with nothing reserved or pending and no device page of its own window."""
+    return [*_small(s, a), s.offset == 0, s.pending == 0, a.own == 0]
 
 
 def _s8(s: State, a: Action) -> list[z3.BoolRef]:
@@ -760,8 +766,8 @@ def _obligations() -> tuple[Obligation, ...]:
            _a1(up, fresh=True)),
         ob("add_one_req.a1_upstream_27391.pre_27391",
            "the pre-#27391 budget max(min(e, C), W) + P (no host term) admits a request whose load-back and chunk "
-           "do not fit (S8's shape; search narrowed to small numbers)",
-           narrowed(_a1(pre, fresh=True), _small), "add_one_req.a1_upstream_27391"),
+           "do not fit (S8's shape; search narrowed to small numbers, the request first in its round)",
+           narrowed(_a1(pre, fresh=True), _small_idle), "add_one_req.a1_upstream_27391"),
         ob("add_one_req.a1_upstream_27391.pre_27391_s8",
            "S8: P=64, W=128, chunk 512, 10 free pages, prompt 2000 with 1024 Full tokens on host and a 192-token host "
            "tombstone: budget 576 < 640 admits, load-back takes 3 pages, the 512-token chunk needs 8 of 7",
