@@ -379,3 +379,65 @@ def test_a_request_without_a_match_is_admitted_and_finishes() -> None:
     state = checked(ad.prepare_for_extend(state))
     assert state.available == 8 - 2
     assert checked(ad.cache_finished_req(state, rid)).available == 8
+
+
+def random_tree(rng: random.Random, page: int) -> list[ad.Node]:
+    nodes: list[ad.Node] = []
+    for i in range(rng.randint(1, 6)):
+        parent = rng.randrange(-1, i)
+        full = rng.random() < 0.8 and (parent == -1 or nodes[parent].full_on_device)
+        swa = rng.choice((DEVICE, HOST, HOST, NONE)) if full else rng.choice((HOST, NONE))
+        nodes.append(ad.Node(parent=parent, length=page * rng.randint(1, 12), full_on_device=full, swa=swa))
+    return nodes
+
+
+def first_round_admits(seed: int, policy: Policy) -> bool | None:
+    """A random idle pool and a request that fits it (``fits_empty_pool``; None when the draw does not): is the
+    request admitted by its first ``add_one_req`` (and its chunk allocated)?"""
+    rng = random.Random(seed)
+    page, window = rng.choice((1, 2, 4, 8)), rng.randint(1, 24)
+    nodes = random_tree(rng, page)
+    used = sum(n.length // page for n in nodes if n.swa is DEVICE)
+    c = ad.AdmissionConfig(page_size=page, sliding_window=window, swa_pages=used + rng.randint(1, 60) // page + 1,
+                           chunk_size=rng.choice((None, page, 3 * page + 1, 16 * page)), policy=policy)
+    state = ad.initial_state(c, nodes)
+    node = rng.randrange(-1, len(nodes))
+    try:
+        state, rid = ad.arrive(state, ad.path_len(state, node) + rng.randint(1, 80), rng.randint(0, 9), node)
+    except InvalidOperation:
+        return None  # a boundary the SWA validator rejects
+    if not ad.fits_empty_pool(state, rid):
+        return None
+    try:
+        state, _ = admit(state, rid)
+        checked(ad.prepare_for_extend(state))
+    except OutOfMemory:
+        return False
+    return state.requests[rid].status is ad.ReqStatus.ADMITTED or rid in (state.adder.can_run if state.adder else ())
+
+
+def test_corrected_admits_in_the_first_round_what_fits_an_empty_idle_pool() -> None:
+    """The liveness obligation (``admission.add_one_req.live_idle_pool``) on the reference: in an idle pool (no lock,
+    nothing held) a request with ``fits_empty_pool`` is admitted by its first ``add_one_req`` under ``corrected``;
+    upstream_27391 refuses some of the same requests (whole host tombstones in its budget)."""
+    corrected = [first_round_admits(seed, Policy.CORRECTED) for seed in range(300)]
+    assert corrected.count(True) >= 80 and False not in corrected
+    upstream = [first_round_admits(seed, Policy.UPSTREAM_27391) for seed in range(300)]
+    assert upstream.count(False) >= 5, upstream.count(False)
+
+
+def test_misuse_and_out_of_memory_leave_the_state_as_it_was() -> None:
+    """Operations are pure: a typed error leaves the caller's state value intact (frozen, equal to a deep copy)."""
+    state, rid = s8(Policy.PRE_27391)
+    state, _ = admit(state, rid)
+    before = state.model_copy(deep=True)
+    with pytest.raises(OutOfMemory):
+        ad.prepare_for_extend(state)
+    with pytest.raises(InvalidOperation):
+        ad.add_one_req(state, rid)  # not waiting any more
+    with pytest.raises(InvalidOperation):
+        ad.evict(state, -2)
+    assert state == before
+    checked(state)
+    with pytest.raises(ValueError, match="frozen"):
+        state.available = 0  # type: ignore[misc]
