@@ -30,6 +30,8 @@ A1 ("admitted => load-back and the next chunk's allocation succeed", §5.6): the
   ``h_snap == lb_whole * P``; nothing else consumes SWA between the check and the allocations is the
   model: one ``add_one_req`` step), ``corrected`` with none. Twins: ``a1_upstream_27391.pre_27391``
   (S8's shape, the budget without the host term), ``.pre_27391_s8`` (S8's numbers),
+  ``a1_upstream_27391_minimal`` (finding: neither the strict ``>=`` nor the ``+ P`` page is needed for A1 on a
+  page-granular pool, only the host term; twin ``.no_host_term``),
   ``.stale_match`` (27391 and 0523 with a stale value), ``a1_corrected.no_lock_recheck``,
   ``.uncapped_load_back``, ``.snapshot_reused``;
 * ``round.initiation`` / ``round.consecution``: the invariant is inductive over every op but a
@@ -251,6 +253,8 @@ class Variant:
     recheck: bool = True  # the check inside the tree lock
     capped_load: bool | None = None  # None: as the policy (capped for CORRECTED)
     snapshot: bool = False  # CORRECTED's budget from the match-time value (capped at one window)
+    strict: bool = True  # upstream's `budget >= rem_swa_tokens -> NO_TOKEN`; False: `>` (admits budget == rem)
+    page_overhead: bool = True  # the budget's + P
 
 
 SOUND = Variant()
@@ -294,8 +298,12 @@ def decide(policy: Policy, s: State, a: Action, v: Variant = SOUND) -> tuple[Dec
         else:
             h = a.h_snap if policy is Policy.UPSTREAM_27391 else z3.IntVal(0)
             e = a.e
-        budget = swa_budget_term(e, h * P, W, P, s.rem_chunk, s.chunking)
-        passes = z3.And(budget < rem_out, budget < rem_in) if v.recheck else budget < rem_out
+        budget = swa_budget_term(e, h * P, W, P, s.rem_chunk, s.chunking) - (0 if v.page_overhead else P)
+
+        def fits(rem: z3.ArithRef) -> z3.BoolRef:
+            return budget < rem if v.strict else budget <= rem
+
+        passes = z3.And(fits(rem_out), fits(rem_in)) if v.recheck else fits(rem_out)
     capped = policy is Policy.CORRECTED if v.capped_load is None else v.capped_load
     lb = a.lb_cap if capped else a.lb_whole
     load_ok = lb <= s.room - a.own
@@ -775,6 +783,15 @@ def _obligations() -> tuple[Obligation, ...]:
         ob("add_one_req.a1_upstream_27391.stale_match",
            "upstream_27391 with a match-time value below what load-back restores now (§5.7) runs out",
            narrowed(_a1(up, fresh=False), _small), "add_one_req.a1_upstream_27391"),
+        ob("add_one_req.a1_upstream_27391_minimal",
+           "finding: upstream_27391 keeps A1 with `budget > rem_swa_tokens -> NO_TOKEN` (the `>=` turned into `>`) and "
+           "without the budget's + P page: the pool is page-granular, so (room - pending) * P - h >= e' already gives "
+           "ceil_P(e'); what A1 needs is the host term",
+           _a1(up, fresh=True, variant=Variant(strict=False, page_overhead=False))),
+        ob("add_one_req.a1_upstream_27391_minimal.no_host_term",
+           "the same minimal check without the host term (pre_27391's budget) runs out",
+           narrowed(_a1(pre, fresh=True, variant=Variant(strict=False, page_overhead=False)), _small_idle),
+           "add_one_req.a1_upstream_27391_minimal"),
         ob("add_one_req.a1_upstream_0523",
            f"upstream_0523 (SWAPrefillBudget, the never-fits chunk cap included), fresh match-time value: {a1}",
            _a1(up523, fresh=True)),
