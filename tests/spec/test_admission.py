@@ -144,3 +144,19 @@ def test_fits_empty_pool_term(e: int, own: int, w: int, p: int, pages: int, chun
     assert value(term) == ad.fits_empty_pool(state, rid)
     a = e if chunk is None else min(e, chunk)
     assert ad.fits_empty_pool(state, rid) == (max(a, w) + p + ceil_p(w, p) < (c.swa_pages - walk_own) * p)
+
+
+@pytest.mark.parametrize(("e", "m", "h", "remaining", "size", "expect"), [
+    (976, 16, 192, 640, 640, (True, 320)),  # S8 under 0.5.23: never fits, the chunk cap admits 320 tokens
+    (2000, 0, 0, 576, 1024, (False, None)),  # transient shortage: waits
+    (2000, 0, 448, 576, 1024, (True, 64)),  # never fits, cap 64: admitted while the smaller request above waits
+    (64, 16, 4096, 2048, 2048, (False, None)),  # S9: the whole tombstone leaves no cap
+])
+def test_check_prefill_terms_escape_hatch(e: int, m: int, h: int, remaining: int, size: int,
+                                          expect: tuple[bool, int | None]) -> None:
+    """W=128, P=64, rem_chunk 512: the reference and the term agree on the never-fits chunk cap."""
+    c = ad.AdmissionConfig(page_size=64, sliding_window=128, swa_pages=size // 64,
+                           policy=ad.AdmissionPolicy.UPSTREAM_0523)
+    assert ad.check_prefill(c, e, m, h, remaining, 512) == expect
+    admit, cap = spec.check_prefill_terms(e, m, h, remaining, size, 128, 64, 512, True)
+    assert value(admit) == expect[0] and (not expect[0] or value(cap) == expect[1])
