@@ -43,15 +43,17 @@ The policy is one typed parameter, :class:`AdmissionPolicy`:
   (``e'`` excludes the Full host hit); a request that can *never* fit (``needed >= size_swa``) gets a
   chunk of ``min(L, floor_P(remaining - estimate(0, m, h)))`` when that is positive (#31681 as
   restricted by #32700); the reservation omits ``h``;
-* ``CORRECTED`` (kvproof's): the budget of ``UPSTREAM_27391`` with two changes, each needed:
+* ``CORRECTED`` (kvproof's): the budget of ``UPSTREAM_27391`` with three changes, each needed:
   (1) the host term is what load-back *can restore within the window*: a host tombstone at covered
   length ``c`` contributes ``min(len, ceil_P(W - c))`` tokens, and :func:`init_load_back` restores
   exactly that (the node is split; its root-side rest stays a host tombstone, as #31771 proposes), so
   the term is at most ``ceil_P(W)`` and a request that fits an empty idle pool is admitted in its
   first round (no S9); (2) the term is recomputed from the tree at each check, never taken from the
-  match-time snapshot, so a tree changed since the match cannot make it stale. ``e'`` excludes the
-  Full host hit (as in 0.5.23: loaded tokens are not computed). Everything is page-rounded (node
-  lengths are whole pages). Proved safe (A1) and live in ``kvproof.spec.admission``.
+  match-time snapshot, so a tree changed since the match cannot make it stale; (3) the extend length is
+  ``e'``, without the Full host hit (as in 0.5.23: loaded tokens are not computed), else a long Full host
+  hit alone can refuse a request forever. Everything is page-rounded (node lengths are whole pages).
+  Proved safe (A1) and live in ``kvproof.spec.admission``; the twins ``a1_corrected.uncapped_load_back``,
+  ``a1_corrected.snapshot_reused`` and ``live_idle_pool.pre_27391`` show what each change prevents.
 
 Liveness reads :func:`fits_empty_pool`: the request's own pinned window pages plus
 ``max(min(e', C), W) + P + ceil_P(W)`` stay below the pool: what any budget charging load-back at
