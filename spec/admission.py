@@ -647,8 +647,10 @@ def _stricter_check(upstream_0523: bool) -> _ts.Check:
     return _ts.Check(build, render)
 
 
-def _admission_monotone(policy: Policy, *, small: bool = False) -> _ts.Check:
-    """Same state, request 2 no bigger than request 1 (``e``, ``e'``, ``h``, load-back); 1 passes => 2 passes."""
+def _admission_monotone(policy: Policy, *, small: bool = False, drop: str | None = None) -> _ts.Check:
+    """Same state, request 2 no bigger than request 1 (``e``, ``e'``, ``h``, load-back); 1 passes => 2 passes.
+
+    ``drop`` (a twin): request 2 is not required to be no bigger in that quantity (``e`` or ``h``)."""
 
     def parts() -> tuple[State, Action, Action, Decision, Decision]:
         s, a1, a2 = State.fresh("pre"), Action.fresh("big"), Action.fresh("small")
@@ -658,6 +660,10 @@ def _admission_monotone(policy: Policy, *, small: bool = False) -> _ts.Check:
         s, a1, a2, d1, d2 = parts()
         smaller = [a2.e <= a1.e, d2.e_after <= d1.e_after, a2.h_snap <= a1.h_snap, a2.lb_cap <= a1.lb_cap,
                    a2.lb_whole <= a1.lb_whole, a2.m == a1.m, a2.own == a1.own]
+        if drop == "e":
+            smaller = smaller[2:]
+        elif drop == "h":
+            smaller = [c for i, c in enumerate(smaller) if i != 2]
         narrow = [*_small(s, a1), *_small(s, a2), s.chunking] if small else []
         # any state (the checks read room, offset and rem_chunk only): no invariant needed
         return [*constants(s), s.room >= 0, s.offset >= 0, s.open, *a1.walk_facts(s), *a2.walk_facts(s), *smaller,
@@ -671,10 +677,10 @@ def _admission_monotone(policy: Policy, *, small: bool = False) -> _ts.Check:
             return (f"e={as_int(m, a.e)} (e'={as_int(m, d.e_after)}) m={as_int(m, a.m)} h="
                     f"{as_int(m, a.h_snap) * p}: needed {as_int(m, d.budget)}")
 
+        why = "(a never-fits chunk cap)" if drop is None else f"(request 2 is not smaller in {drop})"
         return (f"{policy.value}: page size P={p}, window W={as_int(m, s.W)}, rem_chunk {as_int(m, s.rem_chunk)}, "
                 f"SWA pool T={as_int(m, s.T)} pages, rem_swa_tokens {as_int(m, d1.rem_in)} (size_swa "
-                f"{as_int(m, s.T) * p}): the bigger request {req(a1, d1)} is admitted (a never-fits chunk cap), the "
-                f"smaller {req(a2, d2)} waits")
+                f"{as_int(m, s.T) * p}): request 1 {req(a1, d1)} is admitted {why}, request 2 {req(a2, d2)} waits")
 
     return _ts.Check(build, render)
 
@@ -734,6 +740,35 @@ def _round_consecution(sys: _ts.TransitionSystem[State, Action], ops: Sequence[s
         return _ts.step_table(sys, m, step, f"broken after step 1: {_ts.first_broken(sys, m, step.post)}")
 
     return _ts.Check(build, render)
+
+
+def _reopens_with_pending(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Twin: a round opened over chunks still pending (no ``not open`` guard, pending kept, reservation reset)."""
+    return z3.And(t.open, t.offset == 0, t.rem_chunk == s.C, z3.Not(t.chunked),
+                  *_frame(s, t, "open", "offset", "rem_chunk", "chunked"))
+
+
+def _chunk_not_held(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Twin: the batch's pages leave ``room`` but are not counted as held (a leak)."""
+    return z3.And(s.open, s.pending <= s.room, t.room == s.room - s.pending, t.pending == 0, z3.Not(t.open),
+                  t.offset == 0, t.rem_chunk == s.C, z3.Not(t.chunked),
+                  *_frame(s, t, "room", "pending", "open", "offset", "rem_chunk", "chunked"))
+
+
+def _evicts_locked(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Twin: eviction takes ``n`` pages of locked nodes (no ``lock_ref`` check)."""
+    return z3.And(a.n >= 0, t.room == s.room + a.n, t.locked == s.locked - a.n, *_frame(s, t, "room", "locked"))
+
+
+def _double_free(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Twin: a completion that returns more chunk pages than requests hold (no ``freed <= held``)."""
+    return z3.And(a.freed >= 0, a.back >= 0, a.back <= s.locked, t.room == s.room + a.freed + a.back,
+                  t.held == s.held - a.freed, t.locked == s.locked - a.back, *_frame(s, t, "room", "held", "locked"))
+
+
+def _with_transition(op: str, transition: Callable[[State, Action, State], z3.BoolRef]
+                     ) -> _ts.TransitionSystem[State, Action]:
+    return dataclasses.replace(SYSTEM, transitions={**SYSTEM.transitions, op: transition})
 
 
 def _init_leftover(s: State) -> z3.BoolRef:
@@ -820,6 +855,34 @@ def _obligations() -> tuple[Obligation, ...]:
            "pre_27391's add_one_req breaks A1's round clause",
            _round_consecution(SYSTEMS_BY_POLICY[pre], ["add_one_req"], assume_fresh=True, admitted_only=True),
            "round.consecution_upstream_27391"),
+        # the round invariant, one operation at a time (each op's own obligation: ``kvproof prove -k <op>``)
+        ob("get_new_batch_prefill.keeps_round_invariant",
+           "a round opens only after the last one closed: accounting and A1's round clause are kept",
+           _round_consecution(SYSTEM, ["get_new_batch_prefill"])),
+        ob("get_new_batch_prefill.keeps_round_invariant.reopens_with_pending",
+           "a round opened over chunks still pending, with its reservation reset, breaks A1's round clause",
+           _round_consecution(_with_transition("get_new_batch_prefill", _reopens_with_pending),
+                              ["get_new_batch_prefill"]), "get_new_batch_prefill.keeps_round_invariant"),
+        ob("prepare_for_extend.keeps_round_invariant",
+           "the round's batch moves its pending chunks from room to held and closes the round: the invariant is kept",
+           _round_consecution(SYSTEM, ["prepare_for_extend"])),
+        ob("prepare_for_extend.keeps_round_invariant.chunk_not_held",
+           "a batch whose chunk pages leave room without being counted as held breaks accounting (a leak)",
+           _round_consecution(_with_transition("prepare_for_extend", _chunk_not_held), ["prepare_for_extend"]),
+           "prepare_for_extend.keeps_round_invariant"),
+        ob("evict.keeps_round_invariant",
+           "eviction only tombstones evictable pages, which stay in room (free + evictable): the invariant is kept",
+           _round_consecution(SYSTEM, ["evict"])),
+        ob("evict.keeps_round_invariant.evicts_locked",
+           "an eviction that takes pages of locked nodes (no lock_ref check) drives the locked count below zero",
+           _round_consecution(_with_transition("evict", _evicts_locked), ["evict"]), "evict.keeps_round_invariant"),
+        ob("cache_finished_req.keeps_round_invariant",
+           "completion returns the chunk's pages to room and the window lock's pages to evictable: the invariant is "
+           "kept", _round_consecution(SYSTEM, ["cache_finished_req"])),
+        ob("cache_finished_req.keeps_round_invariant.double_free",
+           "a completion that returns more chunk pages than requests hold (a double free) breaks the counts",
+           _round_consecution(_with_transition("cache_finished_req", _double_free), ["cache_finished_req"]),
+           "cache_finished_req.keeps_round_invariant"),
         # liveness
         ob("add_one_req.live_idle_pool",
            "corrected: in an idle round a request that fits the empty pool (max(min(e', C), W) + P + ceil_P(W) < "
@@ -857,7 +920,14 @@ def _obligations() -> tuple[Obligation, ...]:
            "bigger (e, e', host hit, load-back) passes them", _admission_monotone(cor)),
         ob("add_one_req.a2_monotone_upstream_27391", "A2: upstream_27391 admission is monotone",
            _admission_monotone(up)),
+        ob("add_one_req.a2_monotone_upstream_27391.bigger_host_hit",
+           "upstream_27391: a request with a smaller extend but a bigger match-time host hit can be refused where the "
+           "other is admitted (monotone only in both)", _admission_monotone(up, drop="h"),
+           "add_one_req.a2_monotone_upstream_27391"),
         ob("add_one_req.a2_monotone_pre_27391", "A2: pre_27391 admission is monotone", _admission_monotone(pre)),
+        ob("add_one_req.a2_monotone_pre_27391.bigger_extend",
+           "pre_27391: a request with a bigger extend (the Full host hit included) can be refused where a smaller one "
+           "is admitted", _admission_monotone(pre, drop="e"), "add_one_req.a2_monotone_pre_27391"),
         ob("add_one_req.a2_monotone.upstream_0523",
            "0.5.23's never-fits chunk cap admits a bigger request while a smaller one waits on a transient shortage",
            _admission_monotone(up523, small=True), "add_one_req.a2_monotone"),
