@@ -17,7 +17,12 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   kvproof's runtime and of SGLang 0.5.23's allocator on the same sequence, P = 1 and 4;
 * ``hisparse_host``: tokens/s of the per-step eager backup (a batch of running requests,
   P_h = 64, pages opened as positions cross page boundaries) on the runtime in one
-  vectorised call per step, on the runtime one request per call, and on the reference.
+  vectorised call per step, on the runtime one request per call, and on the reference;
+* ``admission``: ``add_one_req`` decisions per second (each with its match, in rounds of 8
+  requests over a HiCache tree, load-back and the round's allocation included) on the runtime
+  and on the reference, and a table of how many requests one round admits under each policy
+  for a few (W, P, host tombstone length, pool size) settings ("OOM": admitted, then out of
+  SWA memory, S8).
 """
 
 from __future__ import annotations
@@ -36,15 +41,19 @@ from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, run_swa_allocator_chec
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.profiles import get_profile
+from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.gpu_runtime.paged import default_device
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference import admission as ad
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.registry import Component, parse_components
 
-__all__ = ["SECTIONS", "Section", "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
+__all__ = ["SECTIONS", "Section", "admission_decisions_per_second", "admission_round_table",
+           "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
            "runtime_pairs_per_second"]
 
 
@@ -163,6 +172,97 @@ def capacity_table() -> Table:
         gain = f"{after / before:.1f}x" if before else "inf"
         table.add_row(*(f"{x:,}" for x in (w, p, prompt, full, swa, before, after)), gain)
     return table
+
+
+#: (W, P, host tombstone tokens, SWA pool pages, tokens each request extends the tombstone by) of the admission
+#: table: S8's numbers, S9's, a window-long tombstone, a small page
+ADMISSION_SETTINGS = ((128, 64, 192, 10, 768), (128, 64, 4096, 32, 256), (4096, 64, 4096, 160, 256),
+                      (128, 16, 64, 40, 256))
+#: requests of a round in the admission table and benchmark
+ADMISSION_EXTEND, ADMISSION_MAX_NEW, ADMISSION_CHUNK, ADMISSION_REQUESTS = 256, 128, 512, 8
+
+
+def _admission_setup(w: int, p: int, tombstone: int, pages: int, policy: ad.AdmissionPolicy) -> ad.AdmissionSetup:
+    """A tombstone under a one-page device prefix (S8/S9's tree), the requests' shared prefix."""
+    config = ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=pages, chunk_size=ADMISSION_CHUNK,
+                                policy=policy)
+    nodes = (ad.Node(parent=-1, length=p, full_on_device=True, swa=ad.SwaValue.DEVICE),
+             ad.Node(parent=0, length=tombstone, full_on_device=True, swa=ad.SwaValue.HOST))
+    return ad.AdmissionSetup(name="bench", config=config, nodes=nodes)
+
+
+def _reference_round(state: ad.AdmissionState, rids: list[int]) -> tuple[ad.AdmissionState, int]:
+    """One round on the reference: match and add in order until the adder stops; the batch allocates."""
+    state, admitted = ad.get_new_batch_prefill(state), 0
+    for rid in rids:
+        state = ad.match_prefix_for_req(state, rid)
+        state, result = ad.add_one_req(state, rid)
+        admitted += state.requests[rid].status is ad.ReqStatus.ADMITTED
+        if state.requests[rid].status is ad.ReqStatus.WAITING or result is not ad.AddReqResult.CONTINUE:
+            break
+    return ad.prepare_for_extend(state), admitted
+
+
+def admission_round_table() -> Table:
+    """How many of 8 requests over a host tombstone one round admits, per policy (reference)."""
+    table = Table(title=f"admission: requests one round admits ({ADMISSION_REQUESTS} waiting over a host tombstone, "
+                        f"chunk {ADMISSION_CHUNK}; OOM: admitted, then out of SWA memory)")
+    for col in ("W", "P", "tombstone", "SWA pages", "extend", *(pol.value for pol in ad.AdmissionPolicy)):
+        table.add_column(col, justify="right")
+    for w, p, tombstone, pages, extend in ADMISSION_SETTINGS:
+        cells = []
+        for policy in ad.AdmissionPolicy:
+            setup = _admission_setup(w, p, tombstone, pages, policy)
+            state = ad.initial_state(setup.config, setup.nodes)
+            prompt = p + tombstone + extend
+            for _ in range(ADMISSION_REQUESTS):
+                state, _ = ad.arrive(state, prompt, ADMISSION_MAX_NEW, 1)
+            try:
+                cells.append(str(_reference_round(state, list(range(ADMISSION_REQUESTS)))[1]))
+            except OutOfMemory:
+                cells.append("OOM")
+        table.add_row(*(f"{x:,}" for x in (w, p, tombstone, pages, extend)), *cells)
+    return table
+
+
+def admission_decisions_per_second(kind: str, rounds: int) -> float:
+    """``add_one_req`` decisions per second (``runtime`` or ``reference``), ``corrected``, S9's tree in a pool
+    that serves several requests a round: rounds of 8 arrivals, each matched and added, allocated, finished."""
+    setup = _admission_setup(128, 64, 4096, 256, ad.AdmissionPolicy.CORRECTED)
+    prompt, decisions = 64 + 4096 + ADMISSION_EXTEND, 0
+    if kind == "reference":
+        state = ad.initial_state(setup.config, setup.nodes)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            first = len(state.requests)
+            for _ in range(ADMISSION_REQUESTS):
+                state, _ = ad.arrive(state, prompt, ADMISSION_MAX_NEW, 1)
+            state = ad.get_new_batch_prefill(state)
+            for rid in range(first, first + ADMISSION_REQUESTS):
+                state = ad.match_prefix_for_req(state, rid)
+                state, _ = ad.add_one_req(state, rid)
+                decisions += 1
+            state = ad.prepare_for_extend(state)
+            for rid in range(first, first + ADMISSION_REQUESTS):
+                if state.requests[rid].status is ad.ReqStatus.RUNNING:
+                    state = ad.cache_finished_req(state, rid)
+        return decisions / (time.perf_counter() - start)
+    rt = AdmissionRuntime(setup)
+    _sync(rt.device)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        rids = [rt.arrive(prompt, ADMISSION_MAX_NEW, 1) for _ in range(ADMISSION_REQUESTS)]
+        rt.get_new_batch_prefill()
+        for rid in rids:
+            rt.match_prefix_for_req(rid)
+            rt.add_one_req(rid)
+            decisions += 1
+        running = list(rt.adder.can_run) if rt.adder is not None else []
+        rt.prepare_for_extend()
+        for rid in running:
+            rt.cache_finished_req(rid)
+    _sync(rt.device)
+    return decisions / (time.perf_counter() - start)
 
 
 def host_backup_tokens_per_second(kind: str, batch: int, steps: int) -> float:
@@ -284,12 +384,24 @@ def _hisparse_host(quick: bool) -> Section:
                "host_backup_vs_reference": host_vec / host_ref})
 
 
+def _admission(quick: bool) -> Section:
+    rounds = 5 if quick else 40
+    runtime = admission_decisions_per_second("runtime", rounds)
+    reference = admission_decisions_per_second("reference", rounds)
+    return Section(rows={
+        "admission add_one_req decisions/s, corrected, 8 per round (runtime)": f"{runtime:,.0f}",
+        "admission add_one_req decisions/s (reference)": f"{reference:,.0f}",
+    }, values={"admission_decisions_per_s": runtime, "admission_reference_decisions_per_s": reference},
+        tables=[admission_round_table()])
+
+
 #: The benchmark's sections, one per component of the registry (``tests/test_registry.py`` checks the keys).
 SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.SWA_ALLOCATOR: _swa_allocator,
     Component.LOC_CACHE: _loc_cache,
     Component.DECODE_PREALLOC: _decode_prealloc,
     Component.HISPARSE_HOST: _hisparse_host,
+    Component.ADMISSION: _admission,
 }
 
 

@@ -89,6 +89,8 @@ __all__ = [
     "AddReqResult",
     "AdmissionConfig",
     "AdmissionPolicy",
+    "AdmissionSetup",
+    "AdmissionSnapshot",
     "AdmissionState",
     "MatchResult",
     "Node",
@@ -101,6 +103,7 @@ __all__ = [
     "arrive",
     "cache_finished_req",
     "check_admission",
+    "check_admission_snapshot",
     "check_prefill",
     "dec_lock_ref",
     "estimate_swa_kv_tokens",
@@ -243,6 +246,45 @@ class AdmissionState(BaseModel):
     nodes: tuple[Node, ...] = ()
     requests: tuple[Request, ...] = ()
     adder: PrefillAdder | None = None
+
+
+class AdmissionSetup(ConfigModel):
+    """What a conformance run starts from: the pool and policy, and the tree the server has cached so far.
+
+    The tree is fixed at the start (the model inserts no node; load-back splits and eviction change it).
+    ``kvproof.conformance.admission`` builds both sides from one setup.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    config: AdmissionConfig
+    nodes: tuple[Node, ...] = ()
+
+    @model_validator(mode="after")
+    def _valid_tree(self) -> AdmissionSetup:
+        initial_state(self.config, self.nodes)  # ConfigError for a bad tree or one larger than the pool
+        return self
+
+    def label(self) -> str:
+        """Short id for test ids and reports, e.g. ``long_tombstone-P2-W4-T8-C8`` (the policy is a run option)."""
+        c = self.config
+        return f"{self.name}-P{c.page_size}-W{c.sliding_window}-T{c.swa_pages}-C{c.chunk_size or 'off'}"
+
+    def with_policy(self, policy: AdmissionPolicy | str) -> AdmissionSetup:
+        return self.model_copy(update={"config": self.config.model_copy(update={"policy": AdmissionPolicy(policy)})})
+
+
+class AdmissionSnapshot(BaseModel):
+    """What an admission system under test reports: its decision state in the reference's terms, and the SWA pages
+    behind it (each node's device pages, each request's chunk pages, the free list)."""
+
+    model_config = _FROZEN
+
+    state: AdmissionState
+    node_pages: tuple[tuple[int, ...], ...]
+    request_pages: tuple[tuple[int, ...], ...]
+    free_pages: tuple[int, ...]
 
 
 class WindowWalk(BaseModel):
@@ -657,6 +699,29 @@ def check_admission(state: AdmissionState) -> None:
         count = sum(h.count(i) for h in holders)
         ensure(n.lock_ref == count, "lock_ref", f"node {i}: lock_ref {n.lock_ref}, {count} lock(s) hold it")
         _check_node(c, state.nodes, i, n, invariant=True)
+
+
+def check_admission_snapshot(snap: AdmissionSnapshot) -> None:
+    """The pages behind a snapshot: a device SWA node holds ``length / P`` pages, any other node none; a request holds
+    its ``swa_pages``; nodes, requests and the free list partition the pool's pages ``1..swa_pages`` (an admitted
+    request really allocated; nothing leaked or shared). Raises :class:`InvariantViolation`."""
+    st, p = snap.state, snap.state.config.page_size
+    ensure(len(snap.node_pages) == len(st.nodes) and len(snap.request_pages) == len(st.requests), "page_table",
+           f"{len(snap.node_pages)} node rows for {len(st.nodes)} nodes, {len(snap.request_pages)} request rows for "
+           f"{len(st.requests)} requests")
+    for i, (n, pages) in enumerate(zip(st.nodes, snap.node_pages, strict=True)):
+        want = n.length // p if n.swa is SwaValue.DEVICE else 0
+        ensure(len(pages) == want, "page_table", f"node {i} ({n.swa.value} SWA, {n.length} tokens) holds "
+                                                 f"{len(pages)} SWA pages, not {want}")
+    for rid, (r, pages) in enumerate(zip(st.requests, snap.request_pages, strict=True)):
+        ensure(len(pages) == r.swa_pages, "page_table",
+               f"request {rid} holds {len(pages)} SWA pages, not {r.swa_pages}")
+    ensure(len(snap.free_pages) == st.available, "page_table",
+           f"{len(snap.free_pages)} pages on the free list, available {st.available}")
+    every = [q for row in (*snap.node_pages, *snap.request_pages) for q in row] + list(snap.free_pages)
+    ensure(sorted(every) == list(range(1, st.config.swa_pages + 1)), "page_table",
+           f"node, request and free pages do not partition pages 1..{st.config.swa_pages}: "
+           f"{len(every)} listed, {len(set(every))} distinct")
 
 
 # ---------------------------------------------------------------- preconditions

@@ -34,6 +34,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvproof.reference.admission import AddReqResult, AdmissionSetup, AdmissionSnapshot
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.registry import Component
@@ -42,7 +43,8 @@ from kvproof.reference.snapshot import AllocatorSnapshot
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PROTOCOLS", "AllocatorFactory", "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
+__all__ = ["PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
+           "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
            "LocCacheSystemUnderTest", "SWAAllocatorUnderTest"]
 
 
@@ -200,6 +202,42 @@ class HostPoolUnderTest(Protocol):
 
 HostPoolFactory = Callable[[HostPoolConfig], HostPoolUnderTest]
 
+@runtime_checkable
+class AdmissionSystemUnderTest(Protocol):
+    """Component ``admission`` (sglang_semantics.md §5): a prefill scheduler's SWA admission over a HiCache tree.
+
+    Built from an :class:`~kvproof.reference.admission.AdmissionSetup` (pool, policy, the cached tree). Method
+    names and arguments are the operations of ``kvproof.reference.admission`` without the state: requests are
+    rids in arrival order, nodes indices in the tree's order (a split appends the root-side rest). Failure is
+    raised: ``OutOfMemory`` when load-back or the round's allocation is short (state unchanged),
+    ``InvalidOperation`` for misuse. :meth:`snapshot` reports the decision state in the reference's terms and the
+    SWA pages behind it. ``Capability.REJECTS_MISUSE``: misuse is rejected with ``InvalidOperation``.
+    """
+
+    capabilities: frozenset[Capability]
+    device: torch.device
+
+    def arrive(self, prompt_len: int, max_new_tokens: int, node: int) -> int: ...
+
+    def get_new_batch_prefill(self) -> None: ...
+
+    def match_prefix_for_req(self, rid: int) -> None: ...
+
+    def add_one_req(self, rid: int) -> AddReqResult: ...
+
+    def init_load_back(self, rid: int) -> int: ...
+
+    def prepare_for_extend(self) -> None: ...
+
+    def evict(self, num_pages: int) -> None: ...
+
+    def cache_finished_req(self, rid: int) -> None: ...
+
+    def snapshot(self) -> AdmissionSnapshot: ...
+
+
+AdmissionFactory = Callable[[AdmissionSetup], AdmissionSystemUnderTest]
+
 #: The protocols an implementation of each component meets (an allocator's KV pool included): every
 #: lockstep operation that acts on the implementation is a method of one of them (tests/test_registry.py).
 PROTOCOLS: dict[Component, tuple[type, ...]] = {
@@ -207,4 +245,5 @@ PROTOCOLS: dict[Component, tuple[type, ...]] = {
     Component.LOC_CACHE: (LocCacheSystemUnderTest, KVPoolUnderTest),
     Component.DECODE_PREALLOC: (SWAAllocatorUnderTest, KVPoolUnderTest),
     Component.HISPARSE_HOST: (HostPoolUnderTest,),
+    Component.ADMISSION: (AdmissionSystemUnderTest,),
 }

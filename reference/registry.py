@@ -43,6 +43,7 @@ class Component(enum.StrEnum):
     LOC_CACHE = "loc_cache"
     DECODE_PREALLOC = "decode_prealloc"
     HISPARSE_HOST = "hisparse_host"
+    ADMISSION = "admission"
 
 
 class Layer(enum.StrEnum):
@@ -138,6 +139,15 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         "§4, §4.6 H0-H4, §9 S7",
         "kvproof.gpu_runtime.hisparse_host:HiSparseHostPool",
     ),
+    ComponentInfo(
+        Component.ADMISSION,
+        "the prefill adder's SWA budget against HiCache load-back (#27391): S8's out-of-memory, S9's starvation",
+        "§5, §7 A1-A3, §8 item 8, §9 S8 S9",
+        "kvproof.gpu_runtime.admission:AdmissionRuntime",
+        options=(Option("policy", ("pre_27391", "upstream_27391", "upstream_0523", "corrected"), "corrected",
+                        "admission: the prefill adder's SWA budget (pre_27391 runs out: S8; upstream_27391 starves: "
+                        "S9)"),),
+    ),
 )})
 
 
@@ -150,11 +160,24 @@ def info(component: Component | str) -> ComponentInfo:
 
 
 def options() -> tuple[Option, ...]:
-    """Every component's run options, once each by name, in registry order."""
+    """Every component's run options, once each by name, in registry order.
+
+    Components may share an option name (``--policy``: ``decode_prealloc`` and ``admission``): the command line
+    offers the union of their choices and each component's suite accepts only its own (a value another component
+    does not know is a usage error when that component runs). Shared options must share their default.
+    """
     seen: dict[str, Option] = {}
     for entry in REGISTRY.values():
         for option in entry.options:
-            seen.setdefault(option.name, option)
+            known = seen.get(option.name)
+            if known is None:
+                seen[option.name] = option
+                continue
+            if known.default != option.default:
+                raise ConfigError("registry", option.name, f"components sharing option {option.name!r} must share "
+                                  f"its default: {known.default!r} vs {option.default!r}")
+            seen[option.name] = Option(option.name, tuple(dict.fromkeys(known.choices + option.choices)),
+                                       known.default, f"{known.help}; {option.help}")
     return tuple(seen.values())
 
 

@@ -13,7 +13,9 @@ transitions are named like the reference functions):
 * ``decode_prealloc`` — the PD decode node's preallocation budgets and gates (§2, §7
   D1-D3, §9 S2);
 * ``hisparse_host`` — the HiSparse paged host pool of PR #23606 (§4, §4.6 H0-H4,
-  §9 S7).
+  §9 S7);
+* ``admission`` — the prefill adder's SWA budget against HiCache load-back, PR
+  #27391 (§5, §7 A1-A3, §8 item 8, §9 S8 S9).
 
 The component names are listed here because ``kvproof.spec`` is a leaf (it imports
 z3 and the standard library only, never ``kvproof.reference.registry``);
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 #: The components, in registry order (``kvproof.reference.registry.Component``).
-COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host")
+COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission")
 
 
 class ObligationRegistryError(Exception):

@@ -1,0 +1,327 @@
+"""Stateful simulation of a prefill scheduler over a HiCache tree (component ``admission``, sglang_semantics.md §5).
+
+Each config is an :class:`~kvproof.reference.admission.AdmissionSetup`: an SWA pool (``W``,
+``P``, pages, chunk size) and the tree the server has cached, with prompts sharing prefixes,
+device SWA nodes, host tombstones shorter than, equal to and much longer than the window,
+and nodes with neither (a window walk stops there). The run option ``--policy`` picks the
+prefill adder's budget (``pre_27391``, ``upstream_27391``, ``upstream_0523``, ``corrected``).
+
+The machine plays the scheduler: requests arrive at a best-match node with a prompt that
+extends it; a round (``get_new_batch_prefill``) matches the waiting requests in arrival
+order (``match_prefix_for_req``) and adds them (``add_one_req``: check, lock, re-check,
+load-back, chunk, reservation) until one is refused or the adder says stop; the round's
+batch allocates its chunks (``prepare_for_extend``); requests finish
+(``cache_finished_req``); eviction runs at any time (``evict``, also between a match and
+the add, which makes upstream's match-time value stale, §5.7). Every operation runs on the
+reference and on the implementation: same outcome, same verdict, same state.
+
+After every step:
+
+* **A1**: no admitted request ran out of memory: a load-back inside ``add_one_req`` or the
+  round's ``prepare_for_extend`` raising ``OutOfMemory`` is a verdict (S8 with
+  ``pre_27391``), even though both sides agree;
+* accounting ``available + evictable + locked == total`` and balanced lock refs on the
+  reference (``check_admission``), and on the implementation the SWA pages behind its
+  state: each device node holds its pages, each running request its chunk, and nodes,
+  requests and the free list partition the pool (``check_admission_snapshot``);
+* the implementation's state equals the reference's (tree, lock refs, requests, the adder:
+  the exact admit / refuse decision);
+* **liveness**: a request that fits the empty pool (``fits_empty_pool``) and is refused in
+  :data:`STARVATION_BOUND` rounds in which the pool was idle (nothing admitted, running,
+  locked or reserved) is starved -- a refusal changes nothing, so it would be refused
+  forever (S9 with ``upstream_27391``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvproof.conformance.check import Suite
+from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation, scenario
+from kvproof.reference import admission as ad
+from kvproof.reference.admission import AdmissionPolicy, AdmissionSetup, AdmissionSnapshot, Node, ReqStatus
+from kvproof.reference.contract import AdmissionSystemUnderTest
+from kvproof.reference.errors import InvariantViolation
+from kvproof.reference.registry import Component
+
+__all__ = ["ADMISSION_CONFIGS", "STARVATION_BOUND", "SUITE", "AdmissionMachine"]
+
+#: Idle rounds a request that fits the empty pool may be refused in before it counts as starved.
+STARVATION_BOUND = 2
+#: Requests per example (arrivals stop there; the rounds go on).
+MAX_REQUESTS = 10
+
+DEVICE, HOST, NONE = ad.SwaValue.DEVICE, ad.SwaValue.HOST, ad.SwaValue.NONE
+
+
+def _node(parent: int, length: int, swa: ad.SwaValue, *, full: bool = True) -> Node:
+    return Node(parent=parent, length=length, full_on_device=full, swa=swa)
+
+
+def _config(p: int, w: int, pages: int, chunk: int | None) -> ad.AdmissionConfig:
+    return ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=pages, chunk_size=chunk)
+
+
+#: Small pools on purpose (budgets meet the pool's edge); the default policy is ``corrected``.
+ADMISSION_CONFIGS: tuple[AdmissionSetup, ...] = (
+    # a shared device prefix; tombstones shorter than and equal to W; a Full host hit under a window with neither
+    AdmissionSetup(name="shared", config=_config(2, 4, 10, 6), nodes=(
+        _node(-1, 4, DEVICE), _node(0, 2, HOST), _node(1, 4, DEVICE), _node(0, 4, HOST),
+        _node(-1, 6, NONE, full=False), _node(4, 4, HOST, full=False))),
+    # S9's shape: a host tombstone of 12 pages over a pool of 8 (W = 2 pages)
+    AdmissionSetup(name="long_tombstone", config=_config(2, 4, 8, 8), nodes=(
+        _node(-1, 24, HOST), _node(-1, 2, DEVICE))),
+    # W not a page multiple (the capped restore rounds up): tombstones of 1 and 3 pages, a 2-page device prefix
+    AdmissionSetup(name="page_edge", config=_config(4, 6, 8, 8), nodes=(
+        _node(-1, 8, DEVICE), _node(0, 4, HOST), _node(1, 4, DEVICE), _node(-1, 12, HOST), _node(3, 4, DEVICE))),
+    # P = 1, chunked prefill off: tombstones of W and of 8 W
+    AdmissionSetup(name="no_chunk", config=_config(1, 3, 12, None), nodes=(
+        _node(-1, 2, DEVICE), _node(0, 3, HOST), _node(1, 1, DEVICE), _node(-1, 24, HOST), _node(3, 1, HOST))),
+)
+
+
+class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
+    """The scheduler's calls on the reference and on the implementation, in lockstep."""
+
+    component = Component.ADMISSION
+    snapshot_type = AdmissionSnapshot
+
+    def __init__(self, binding: Any) -> None:
+        policy = binding.options.get("policy")
+        if policy is not None:  # the run option: both sides are built under that policy
+            binding = dataclasses.replace(binding, config=binding.config.with_policy(policy))
+        super().__init__(binding)
+        self.ref = ad.initial_state(self.config.config, self.config.nodes)
+        c = self.config.config
+        self.p, self.w, self.total = c.page_size, c.sliding_window, c.swa_pages
+        self.queue: list[int] = []  # the open round's waiting requests, in arrival order, not yet added
+        self.matched: set[int] = set()  # matched in the open round
+        self.stopped = False  # the adder said stop (or refused the head): no more add_one_req this round
+        self.idle_refusals: dict[int, int] = {}
+
+    # ------------------------------------------------------------ helpers
+
+    def _round_open(self) -> bool:
+        return self.ref.adder is not None
+
+    def _waiting(self) -> list[int]:
+        return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.WAITING]
+
+    def _running(self) -> list[int]:
+        return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.RUNNING]
+
+    def _boundaries(self) -> list[int]:
+        """Nodes a request can match up to: the root (-1) and every node whose window walk does not stop."""
+        return [-1] + [i for i in range(len(self.ref.nodes)) if not ad.window_walk(self.ref, i).stopped]
+
+    def _idle(self) -> bool:
+        """Nothing admitted, running, locked or reserved: the pool could serve any request that fits it empty."""
+        adder = self.ref.adder
+        return (adder is not None and adder.rem_swa_token_offset == 0 and not adder.can_run
+                and all(r.status in (ReqStatus.WAITING, ReqStatus.FINISHED) for r in self.ref.requests)
+                and all(n.lock_ref == 0 for n in self.ref.nodes))
+
+    def _head(self) -> int | None:
+        return self.queue[0] if self.queue and not self.stopped else None
+
+    def _describe(self, rid: int) -> str:
+        r = self.ref.requests[rid]
+        walk = ad.window_walk(self.ref, r.node)
+        return (f"request {rid} (prompt {r.prompt_len}, max_new_tokens {r.max_new_tokens}, node {r.node}: "
+                f"{ad.path_len(self.ref, r.node)} tokens matched, window walk {walk.covered} tokens, "
+                f"{walk.host_tokens} of them host tombstones)")
+
+    # ------------------------------------------------------------ rules
+
+    @scenario(when=lambda self: len(self.ref.requests) < MAX_REQUESTS, data=st.data())
+    def arrive(self, data: Any) -> None:
+        """1-2 requests arrive, each extending a cached prefix (prompt lengths biased to page, window, chunk edges)."""
+        c = self.config.config
+        for _ in range(data.draw(st.integers(1, 2), label="arrivals")):
+            node = data.draw(st.sampled_from(self._boundaries()), label="node")
+            p, w, chunk = self.p, self.w, c.chunk_size or 2 * self.w
+            edges = sorted({x for x in (1, p - 1, p, p + 1, w - 1, w, w + 1, chunk - 1, chunk, chunk + 1, 2 * chunk)
+                            if x >= 1})
+            extra = data.draw(st.one_of(st.sampled_from(edges), st.integers(1, c.size_swa + w)), label="extend")
+            prompt = ad.path_len(self.ref, node) + extra
+            max_new = data.draw(st.integers(0, 2 * w), label="max_new_tokens")
+            self._arrive(prompt, max_new, node)
+
+    def _arrive(self, prompt: int, max_new: int, node: int) -> None:
+        out = self.call("arrive", f"prompt {prompt}, max_new_tokens {max_new}, node {node}",
+                        lambda: ad.arrive(self.ref, prompt, max_new, node),
+                        lambda: self.impl.arrive(prompt, max_new, node))
+        if out:
+            (self.ref, rid), got = out
+            if got != rid:
+                self.fail(f"arrive returned request id {got}, the reference {rid}")
+
+    @operation(when=lambda self: not self._round_open() and self._waiting())
+    def get_new_batch_prefill(self) -> None:
+        """A round starts: the prefill adder is built; the waiting requests are its queue, in arrival order."""
+        out = self.call("get_new_batch_prefill", "", lambda: (ad.get_new_batch_prefill(self.ref), None),
+                        self.impl.get_new_batch_prefill)
+        if out:
+            self.ref = out[0][0]
+            self.queue, self.matched, self.stopped = self._waiting(), set(), False
+
+    @operation(when=lambda self: self._round_open() and any(r not in self.matched for r in self.queue))
+    def match_prefix_for_req(self) -> None:
+        """The next request of the round's queue is matched (the match-time snapshot, §5.4)."""
+        rid = next(r for r in self.queue if r not in self.matched)
+        out = self.call("match_prefix_for_req", self._describe(rid),
+                        lambda: (ad.match_prefix_for_req(self.ref, rid), None),
+                        lambda: self.impl.match_prefix_for_req(rid))
+        if out:
+            self.ref = out[0][0]
+            self.matched.add(rid)
+
+    @operation(when=lambda self: self._head() is not None and self._head() in self.matched)
+    def add_one_req(self) -> None:
+        """The round's head is added: check, lock, re-check, load-back, chunk, reservation (A1 and liveness here)."""
+        rid = self.queue.pop(0)
+        idle = self._idle() and ad.fits_empty_pool(self.ref, rid)
+        rem = ad.rem_swa_tokens(self.ref)
+        described = self._describe(rid)
+        out = self.call("add_one_req", described, lambda: ad.add_one_req(self.ref, rid),
+                        lambda: self.impl.add_one_req(rid))
+        if out is None:  # both ran out of SWA: the budget admitted a request whose load-back does not fit
+            self.fail(f"A1 violated: add_one_req admitted {described} with rem_swa_tokens {rem}, then its load-back "
+                      f"ran out of SWA memory (the {self.ref.config.policy.value} budget does not count what "
+                      f"load-back allocates: S8)")
+        (self.ref, want), got = out
+        mine = self.snapshot().state.requests[rid].status
+        theirs = self.ref.requests[rid].status
+        if mine is not theirs:
+            verb = {ReqStatus.WAITING: "refused", ReqStatus.ADMITTED: "admitted"}
+            self.fail(f"add_one_req {verb.get(mine, mine.value)} {described} with rem_swa_tokens {rem}; the "
+                      f"reference {verb.get(theirs, theirs.value)} it (the admission decision differs)")
+        if got != want:
+            self.fail(f"add_one_req returned {got} for request {rid}, the reference {want}")
+        self.trace.outcome(f" -> {want.value}")
+        refused = self.ref.requests[rid].status is ReqStatus.WAITING
+        if refused or want is not ad.AddReqResult.CONTINUE:
+            self.stopped = True
+        if refused and idle:
+            self.idle_refusals[rid] = self.idle_refusals.get(rid, 0) + 1
+            if self.idle_refusals[rid] >= STARVATION_BOUND:
+                self.fail(f"liveness violated: {described} was refused in {self.idle_refusals[rid]} idle rounds "
+                          f"(nothing admitted, running, locked or reserved; rem_swa_tokens {rem} of "
+                          f"{self.ref.config.size_swa}) although it fits the empty pool; a refusal changes nothing, "
+                          f"so it waits forever and blocks the queue behind it (S9, policy "
+                          f"{self.ref.config.policy.value})")
+
+    @operation(when=lambda self: self._round_open() and self._head() is None)
+    def prepare_for_extend(self) -> None:
+        """Once the adder stopped (or the queue is done) the round's batch allocates every admitted chunk (A1: it
+        must fit); the round closes."""
+        pending = [rid for rid in self.ref.adder.can_run] if self.ref.adder else []
+        out = self.call("prepare_for_extend", f"requests {pending}", lambda: (ad.prepare_for_extend(self.ref), None),
+                        self.impl.prepare_for_extend)
+        if out is None:
+            self.fail(f"A1 violated: 'Prefill out of memory': the round admitted requests {pending} whose chunks do "
+                      f"not fit the SWA pool after their load-back (S8)")
+        self.ref = out[0][0]
+        self.queue, self.matched, self.stopped = [], set(), False
+
+    @operation(when=lambda self: ad.swa_evictable_pages(self.ref) > 0, data=st.data())
+    def evict(self, data: Any) -> None:
+        """The tree evicts device SWA of unlocked nodes (any time: also between a match and the add)."""
+        n = data.draw(st.integers(0, self.total), label="num_pages")
+        out = self.call("evict", f"num_pages {n}", lambda: (ad.evict(self.ref, n), None),
+                        lambda: self.impl.evict(n))
+        if out:
+            self.ref = out[0][0]
+
+    @operation(when=lambda self: self._running(), data=st.data())
+    def cache_finished_req(self, data: Any) -> None:
+        """A running request finishes: its chunk pages back, its window lock released."""
+        rid = data.draw(st.sampled_from(self._running()), label="request")
+        out = self.call("cache_finished_req", f"request {rid}", lambda: (ad.cache_finished_req(self.ref, rid), None),
+                        lambda: self.impl.cache_finished_req(rid))
+        if out:
+            self.ref = out[0][0]
+
+    # ------------------------------------------------------------ the comparison
+
+    @check_after_each_step
+    def agrees_with_reference(self) -> None:
+        """Accounting and lock refs (reference), the pages behind the state (implementation), the same state."""
+        self.stats.steps += 1
+        try:
+            ad.check_admission(self.ref)
+        except InvariantViolation as err:
+            self.fail(f"the reference breaks {err}")
+        snap = self.snapshot()
+        try:
+            ad.check_admission_snapshot(snap)
+        except InvariantViolation as err:
+            self.fail(f"the implementation breaks {err}")
+        if snap.state != self.ref:
+            self.fail(_state_difference(snap.state, self.ref))
+        self.trace.next_step()
+
+    # ------------------------------------------------------------ misuse (REJECTS_MISUSE): both sides reject
+
+    @misuse("get_new_batch_prefill", "round_open", when=lambda self: self._round_open())
+    def _round_already_open(self, data: Any) -> MisuseCall:
+        return MisuseCall("(a round is open)", lambda: (ad.get_new_batch_prefill(self.ref), None),
+                          self.impl.get_new_batch_prefill)
+
+    @misuse("add_one_req", "unmatched",
+            when=lambda self: self._round_open() and any(r.match is None for r in self._reqs_waiting()))
+    def _unmatched(self, data: Any) -> MisuseCall:
+        rid = data.draw(st.sampled_from([i for i in self._waiting() if self.ref.requests[i].match is None]),
+                        label="request")
+        return MisuseCall(f"request {rid} (never matched)", lambda: ad.add_one_req(self.ref, rid),
+                          lambda: self.impl.add_one_req(rid))
+
+    @misuse("cache_finished_req", "not_running",
+            when=lambda self: any(r.status is not ReqStatus.RUNNING for r in self.ref.requests))
+    def _not_running(self, data: Any) -> MisuseCall:
+        rid = data.draw(st.sampled_from([i for i, r in enumerate(self.ref.requests)
+                                         if r.status is not ReqStatus.RUNNING]), label="request")
+        return MisuseCall(f"request {rid} ({self.ref.requests[rid].status.value})",
+                          lambda: (ad.cache_finished_req(self.ref, rid), None),
+                          lambda: self.impl.cache_finished_req(rid))
+
+    def _reqs_waiting(self) -> list[ad.Request]:
+        return [self.ref.requests[i] for i in self._waiting()]
+
+    def misuse_allowed(self) -> bool:
+        """Misuse on every fourth step only, so that it does not crowd out the scheduler."""
+        return len(self.trace) % 4 == 3
+
+
+def _state_difference(got: ad.AdmissionState, want: ad.AdmissionState) -> str:
+    """The first difference between the implementation's state and the reference's, in words."""
+    if got.available != want.available:
+        return f"available SWA pages {got.available}, reference {want.available}"
+    if got.adder != want.adder:
+        return f"prefill adder {got.adder}, reference {want.adder}"
+    if len(got.nodes) != len(want.nodes):
+        return f"{len(got.nodes)} tree nodes, reference {len(want.nodes)} (a load-back split differs)"
+    for i, (g, w) in enumerate(zip(got.nodes, want.nodes, strict=True)):
+        if g != w:
+            return f"tree node {i}: {_node_text(g)}; reference {_node_text(w)}"
+    if len(got.requests) != len(want.requests):
+        return f"{len(got.requests)} requests, reference {len(want.requests)}"
+    for rid, (g2, w2) in enumerate(zip(got.requests, want.requests, strict=True)):
+        if g2 != w2:
+            return f"request {rid}: {g2}, reference {w2}"
+    return f"state {got}, reference {want}"
+
+
+def _node_text(n: Node) -> str:
+    full = "device" if n.full_on_device else "host"
+    return f"parent {n.parent}, {n.length} tokens, Full on {full}, SWA {n.swa.value}, lock_ref {n.lock_ref}"
+
+
+def _policy(value: str) -> dict[str, Any]:
+    return {"policy": AdmissionPolicy(value).value}
+
+
+SUITE = Suite(AdmissionMachine, ADMISSION_CONFIGS, apply={"policy": _policy})

@@ -1,0 +1,94 @@
+"""The prefill-scheduler simulation: ``corrected`` holds on every config; S8 and S9 are found and shrunk."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvproof.conformance.admission import ADMISSION_CONFIGS, STARVATION_BOUND
+from kvproof.conformance.check import check, get_suite, run_check
+from kvproof.gpu_runtime.admission import AdmissionRuntime
+from kvproof.reference.admission import AdmissionPolicy
+from kvproof.reference.registry import info, options
+
+IDS = [c.label() for c in ADMISSION_CONFIGS]
+LONG_TOMBSTONE = next(c for c in ADMISSION_CONFIGS if c.name == "long_tombstone")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device on this machine"))]
+
+
+def _steps(failure: str) -> list[str]:
+    """The numbered operations of a verdict's trace."""
+    trace = failure.split("operations so far:")[1].split("\n\n")[0]
+    return re.findall(r"^\s+\d+\. (\w+)\(", trace, flags=re.M)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ADMISSION_CONFIGS, ids=IDS)
+def test_corrected_holds_on_the_runtime(config, device: str) -> None:
+    report = check("admission", lambda cfg: AdmissionRuntime(cfg, device=device), config, profile="ci",
+                   impl_name=f"runtime[{device}]", policy="corrected")
+    for rule in ("add_one_req", "prepare_for_extend", "evict", "cache_finished_req", "misuse"):
+        assert report.rules[rule] > 0, rule
+    assert report.outcomes.get("InvalidOperation", 0) > 0  # misuse rejected alike
+
+
+def test_the_configs_cover_tombstones_shorter_equal_and_longer_than_the_window() -> None:
+    kinds = set()
+    for setup in ADMISSION_CONFIGS:
+        w = setup.config.sliding_window
+        for n in setup.nodes:
+            if n.swa.value == "host":
+                kinds.add("<" if n.length < w else "=" if n.length == w else ">>" if n.length >= 4 * w else ">")
+    assert {"<", "=", ">>"} <= kinds
+    assert any(setup.config.sliding_window % setup.config.page_size for setup in ADMISSION_CONFIGS)
+    assert any(setup.config.chunk_size is None for setup in ADMISSION_CONFIGS)
+
+
+def test_pre_27391_runs_out_after_admission_s8_shrunk() -> None:
+    """S8: the pre-#27391 budget admits a request whose load-back does not fit, in 4 steps."""
+    report = run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="ci", failures_dir=None,
+                       impl_name="runtime", policy="pre_27391")
+    failure = report.failure or ""
+    print(failure.split("Failing test case")[0])
+    assert "A1 violated: add_one_req admitted request 0" in failure, failure
+    assert "the pre_27391 budget does not count what load-back allocates: S8" in failure
+    assert _steps(failure) == ["arrive", "get_new_batch_prefill", "match_prefix_for_req", "add_one_req"]
+
+
+def test_upstream_27391_starves_a_request_that_fits_the_empty_pool_s9_shrunk() -> None:
+    """S9: a host tombstone longer than the pool in the window: refused in every idle round, 8 steps."""
+    report = run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="ci", failures_dir=None,
+                       impl_name="runtime", policy="upstream_27391")
+    failure = report.failure or ""
+    print(failure.split("Failing test case")[0])
+    assert f"was refused in {STARVATION_BOUND} idle rounds" in failure, failure
+    assert "although it fits the empty pool" in failure and "(S9, policy upstream_27391)" in failure
+    assert "24 of them host tombstones" in failure
+    round_ = ["get_new_batch_prefill", "match_prefix_for_req", "add_one_req"]
+    assert _steps(failure) == ["arrive", *round_, "prepare_for_extend", *round_]
+
+
+def test_upstream_0523_starves_too_and_corrected_does_not_on_the_same_config() -> None:
+    report = run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="dev", failures_dir=None,
+                       policy="upstream_0523")
+    assert "(S9, policy upstream_0523)" in (report.failure or "")
+    assert run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="dev", failures_dir=None,
+                     policy="corrected").passed
+
+
+def test_the_policy_option_is_declared_once_and_maps_to_both_sides() -> None:
+    """``--policy`` of admission comes from the registry and is shared by name with decode_prealloc's."""
+    (option,) = info("admission").options
+    assert option.name == "policy" and set(option.choices) == {p.value for p in AdmissionPolicy}
+    (shared,) = [o for o in options() if o.name == "policy"]
+    assert {"upstream", *option.choices} <= set(shared.choices) and shared.default == "corrected"
+    suite = get_suite("admission")
+    assert suite.options({"policy": "upstream_27391"}) == {"policy": "upstream_27391"}
+    assert LONG_TOMBSTONE.with_policy("upstream_27391").config.policy is AdmissionPolicy.UPSTREAM_27391
+    from kvproof.conformance.errors import UsageError
+
+    with pytest.raises(UsageError, match="choose one of"):
+        suite.options({"policy": "upstream"})
