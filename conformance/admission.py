@@ -51,7 +51,7 @@ __all__ = ["ADMISSION_CONFIGS", "STARVATION_BOUND", "SUITE", "AdmissionMachine"]
 
 #: Idle rounds a request that fits the empty pool may be refused in before it counts as starved.
 STARVATION_BOUND = 2
-#: Requests per example (arrivals stop there; the rounds go on).
+#: Unfinished requests at most (arrivals wait for completions; with every request finished they are enabled again).
 MAX_REQUESTS = 10
 
 DEVICE, HOST, NONE = ad.SwaValue.DEVICE, ad.SwaValue.HOST, ad.SwaValue.NONE
@@ -110,6 +110,9 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
     def _waiting(self) -> list[int]:
         return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.WAITING]
 
+    def _unfinished(self) -> int:
+        return sum(r.status is not ReqStatus.FINISHED for r in self.ref.requests)
+
     def _running(self) -> list[int]:
         return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.RUNNING]
 
@@ -136,7 +139,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
 
     # ------------------------------------------------------------ rules
 
-    @scenario(when=lambda self: len(self.ref.requests) < MAX_REQUESTS, data=st.data())
+    @scenario(when=lambda self: self._unfinished() < MAX_REQUESTS, data=st.data())
     def arrive(self, data: Any) -> None:
         """1-2 requests arrive, each extending a cached prefix (prompt lengths biased to page, window, chunk edges)."""
         c = self.config.config
