@@ -173,8 +173,12 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
 
     @operation(when=lambda self: self._round_open() and any(r not in self.matched for r in self.queue))
     def match_prefix_for_req(self) -> None:
-        """The next request of the round's queue is matched (the match-time snapshot, §5.4)."""
-        rid = next(r for r in self.queue if r not in self.matched)
+        """The round's queue is matched, request by request (the match-time snapshots, §5.4), before the adds: an
+        earlier request's load-back (which evicts) or an eviction can change a later request's window meanwhile."""
+        for rid in [r for r in self.queue if r not in self.matched]:
+            self._match(rid)
+
+    def _match(self, rid: int) -> None:
         out = self.call("match_prefix_for_req", self._describe(rid),
                         lambda: (ad.match_prefix_for_req(self.ref, rid), None),
                         lambda: self.impl.match_prefix_for_req(rid))
