@@ -16,12 +16,12 @@ __all__ = ["conform_table", "counts", "mutants_table", "print_reports", "run_mut
 
 def conform_table(reports: list[CheckReport]) -> Table:
     table = Table(title="kvproof conform")
-    for col in ("component", "config", "verdict", "examples", "steps", "ok", "OutOfMemory", "InvalidOperation", "n/a",
-                "seconds"):
+    for col in ("component", "config", "verdict", "examples", "steps", "calls", "ok", "OutOfMemory",
+                "InvalidOperation", "n/a", "seconds"):
         table.add_column(col, justify="left" if col in ("component", "config", "verdict") else "right")
     for r in reports:
         verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
-        table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps),
+        table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(sum(r.calls.values())),
                       str(r.outcomes.get("ok", 0)), str(r.outcomes.get("OutOfMemory", 0)),
                       str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), f"{r.seconds:.1f}")
     return table

@@ -41,7 +41,7 @@ from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
 __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
-           "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "get_suite", "kill_mutants",
+           "check_hisparse_host", "check_loc_cache", "factory_spec", "failure_text", "check_swa_allocator", "get_suite", "kill_mutants",
            "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check", "run_swa_allocator_check"]
 
 FAILURES_DIR = Path(".kvproof/failures")
@@ -176,8 +176,34 @@ class _MachineFactory:
         return self.suite.machine(self.binding)
 
 
+def factory_spec(factory: Any) -> str:
+    """``module:qualname`` of a factory, the ``--impl`` that names it; a local (non-importable) one says so."""
+    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
+    if not module or not qualname:
+        return repr(factory)
+    spec = f"{module}:{qualname}"
+    try:
+        target: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        target = None
+    return spec if target is factory else f"{module}.{qualname} (not importable: replay it with replay_vector)"
+
+
+def _replay_line(failure_file: str | None, impl_name: str) -> str:
+    """How to replay a saved failure without Hypothesis (the CLI if the implementation is importable)."""
+    if not failure_file:
+        return ""
+    vector = str(Path(failure_file).with_suffix(".json"))
+    if " " in impl_name or ":" not in impl_name:
+        return (f"\nreplay without Hypothesis: kvproof.conformance.check.replay_vector(json.load(open({vector!r})), "
+                "factory)")
+    return f"\nreplay without Hypothesis: kvproof replay {vector} --impl {impl_name}"
+
+
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-              settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl", replay: str = "",
+              settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None, replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
               **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
@@ -189,6 +215,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     """
     suite = get_suite(component)
     name = suite.component.value
+    impl_name = impl_name or factory_spec(factory)
     # one failure per run, the shrunk one: its vector is the one the report carries
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False)
     start = time.perf_counter()
@@ -239,10 +266,11 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
             "verdict": first[1].strip() if len(first) > 1 else (first[0] if first else "")}
 
 
-def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str = "impl",
+def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str | None = None,
                   op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> ReplayResult:
     """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis."""
     suite = get_suite(str(vector["component"]))
+    impl_name = impl_name or factory_spec(factory)
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
@@ -261,15 +289,21 @@ def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs
 
 
 def check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-          settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl",
+          settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None,
           **machine_options: Any) -> CheckReport:
     """Like :func:`run_check` but raise :class:`ConformanceFailure` on a failure (pytest-free, trio style)."""
     report = run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
                        **machine_options)
     if not report.passed:
-        where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
-        raise ConformanceFailure(f"{impl_name} [{report.component} {config.label()}]: {report.failure}{where}")
+        raise ConformanceFailure(failure_text(report))
     return report
+
+
+def failure_text(report: CheckReport) -> str:
+    """A failed report as a test failure: who, where, the verdict, where it was saved and how to replay it."""
+    where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
+    return (f"{report.impl_name} [{report.component}/{report.config.label()}]: {report.failure}{where}"
+            f"{_replay_line(report.failure_file, report.impl_name)}")
 
 
 def check_swa_allocator(factory: Callable[[Any], Any], config: Any, **kwargs: Any) -> CheckReport:
@@ -288,7 +322,7 @@ def check_hisparse_host(factory: Callable[[Any], Any], config: Any, **kwargs: An
 
 
 def make_test_case(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-                   profile: str = "ci", impl_name: str = "impl", **machine_options: Any) -> type[unittest.TestCase]:
+                   profile: str = "ci", impl_name: str | None = None, **machine_options: Any) -> type[unittest.TestCase]:
     """A ``unittest.TestCase`` class with one test, the suite on ``config`` (collected by pytest and unittest)."""
     def test_conforms(self: unittest.TestCase) -> None:
         check(component, factory, config, profile=profile, impl_name=impl_name, **machine_options)

@@ -21,6 +21,8 @@ this module. A run is planned from
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +44,12 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ImplSpecError(f"--impl must look like 'package.module:factory', got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as err:
-        raise ImplSpecError(f"--impl {spec!r}: cannot import {module_name!r}: {err}") from err
+        raise ImplSpecError(f"--impl {spec!r}: cannot import {module_name!r}: {err} (kvproof imports it with the "
+                            f"current directory {os.getcwd()} on sys.path, as `python -m` does; run from the "
+                            "directory that contains the package, add its parent to PYTHONPATH, or pip install "
+                            "it)") from err
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -53,6 +58,23 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not callable(target):
         raise ImplSpecError(f"--impl {spec!r}: {attr!r} is not callable")
     return target
+
+
+def _import(module_name: str) -> Any:
+    """Import ``module_name``; if its top-level package is not found, again with the working directory on sys.path.
+
+    ``python -m`` puts the working directory first on ``sys.path``; the ``kvproof`` console
+    script and ``pytest --pyargs`` do not, so an adapter next to the user (``mypkg/adapter.py``)
+    would not be found. It is appended, not prepended: an installed package of the same name wins.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        cwd = os.getcwd()
+        if err.name != module_name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
 
 
 def declared_components(factory: Any) -> tuple[Component, ...] | None:
@@ -153,7 +175,11 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
                 continue
             test_id = f"{suite.component.value}/{cfg.label()}"
             tests.append(PlannedTest(suite.component, cfg, impl, options, option_args, selection.match(test_id)))
-    return Plan(tuple(tests), tuple(impls), tuple(selection.unmatched()))
+    undeclared = [] if parse_components(components) else [
+        f"{impl.spec} declares no `components`, so it runs every suite ({', '.join(c.value for c in wanted)}); "
+        "declare the ones it implements, e.g. components = frozenset({Component.SWA_ALLOCATOR})"
+        for impl in impls if impl.serves is None]
+    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()))
 
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomized",
