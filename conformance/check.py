@@ -41,8 +41,9 @@ from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
 __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
-           "check_hisparse_host", "check_loc_cache", "factory_spec", "failure_text", "check_swa_allocator", "get_suite", "kill_mutants",
-           "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check", "run_swa_allocator_check"]
+           "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "factory_spec", "failure_text", "get_suite",
+           "kill_mutants", "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check",
+           "run_swa_allocator_check"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
@@ -322,7 +323,8 @@ def check_hisparse_host(factory: Callable[[Any], Any], config: Any, **kwargs: An
 
 
 def make_test_case(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-                   profile: str = "ci", impl_name: str | None = None, **machine_options: Any) -> type[unittest.TestCase]:
+                   profile: str = "ci", impl_name: str | None = None,
+                   **machine_options: Any) -> type[unittest.TestCase]:
     """A ``unittest.TestCase`` class with one test, the suite on ``config`` (collected by pytest and unittest)."""
     def test_conforms(self: unittest.TestCase) -> None:
         check(component, factory, config, profile=profile, impl_name=impl_name, **machine_options)

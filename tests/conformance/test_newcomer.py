@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvproof.conformance.check import factory_spec, mutants_of, run_check
-from kvproof.conformance.mutants.hisparse_host import ReleaseReversed
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.errors import ConformanceFailure
+from kvproof.conformance.mutants.hisparse_host import ReleaseReversed
 from kvproof.conformance.profiles import PROFILES
 from kvproof.reference.registry import Component
 
