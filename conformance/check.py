@@ -36,6 +36,7 @@ from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepF
 from kvproof.conformance.generation import stable_generation
 from kvproof.conformance.lockstep import Binding, Lockstep, MisuseCase, RunStats
 from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
@@ -203,11 +204,11 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                             make_vector(name, config, impl_name, machine_options, [])["machine_options"],
                             lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout))
         if hit is not None:
-            path, vector, result = hit
+            path, saved_vector, result = hit
             failure = (f"{result.failure}\n\n(found by replaying {path}, a failure saved by an earlier run, "
                        "before generating; --fresh ignores saved failures)")
             return CheckReport(name, impl_name, config, caps, na, {}, {}, result.steps, 0,
-                               time.perf_counter() - start, failure, path, (), vector, declared_version)
+                               time.perf_counter() - start, failure, path, (), saved_vector, declared_version)
     first: list[tuple[str, list[dict[str, Any]]]] = []  # the first verdict of the run and its steps
 
     def first_seen(text: str, steps: list[dict[str, Any]]) -> None:
@@ -220,7 +221,9 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     stats.on_verdict = first_seen
     if progress is not None:
         stats.on_example = lambda s: progress(s.examples, bool(first))
-    failure, saved, vector = None, None, None
+    failure = None
+    saved: str | None = None
+    vector: dict[str, Any] | None = None
 
     def report() -> CheckReport:
         ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
@@ -379,8 +382,5 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
 
 
 def _evidence(failure: str | None) -> str:
-    """The line that says what diverged (the one after the lockstep header), or the first line."""
-    if failure is None:
-        return "survived every config"
-    lines = [line.strip() for line in failure.splitlines() if line.strip()]
-    return lines[1] if len(lines) > 1 and lines[0].startswith("LockstepFailure") else lines[0]
+    """The line that says what diverged (:func:`kvproof.conformance.report.diagnosis`)."""
+    return "survived every config" if failure is None else diagnosis(failure)
