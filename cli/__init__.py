@@ -292,7 +292,7 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
     except _usage_errors() as err:
         _bad_input(console, err)
     write("complete")
-    console.print(mutants_table(verdicts))
+    console.print(mutants_table(verdicts, console.width))
     summary = Table(title="kvproof check")
     for col in ("part", "items", "passed", "verdict"):
         summary.add_column(col, overflow="fold")
@@ -334,7 +334,7 @@ def mutants(profile: str, components: tuple[str, ...], json_report: str | None, 
         write(list(so_far), "interrupted")
         _interrupted(console, None)
     write(verdicts, "complete")
-    console.print(mutants_table(verdicts))
+    console.print(mutants_table(verdicts, console.width))
     sys.exit(0 if verdicts and all(v.killed for v in verdicts) else 1)
 
 

@@ -88,8 +88,11 @@ def run_mutants(profile: str, components: Iterable[Component | str] = (),
     return verdicts
 
 
-def mutants_table(verdicts: list[MutantVerdict]) -> Table:
-    table = Table(title="kvproof mutants (runtime variants that must be killed)")
+def mutants_table(verdicts: list[MutantVerdict], width: int = 150) -> Table:
+    """One row per mutant; names whole (below 120 columns compact: no borders), the evidence folds."""
+    title = "kvproof mutants (runtime variants that must be killed)"
+    table = (Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+             if width < 120 else Table(title=title))
     longest = {"component": max((len(v.component) for v in verdicts), default=0),
                "mutant": max((len(v.name) for v in verdicts), default=0),
                "caught on": max((len(v.config or "-") for v in verdicts), default=0)}
@@ -128,7 +131,7 @@ class CLIEvents(RunEvents):
         self.progress.update(f"conform {test.test_id}: example {examples}, {what}")
 
     def progressed(self, outcomes: list[Outcome], info: RunInfo) -> None:
-        if outcomes and info.status == "running":
+        if outcomes and info.status == "running" and info.running is None:  # a test just finished
             self.progress.stop()
             _report_progress(self.console, outcomes[-1])
         if self.json_report:

@@ -185,8 +185,9 @@ class RunEvents:
         """An example of ``test`` begins (``shrinking``: a failure was found and is being shrunk)."""
 
     def progressed(self, outcomes: list[Outcome], info: RunInfo) -> None:
-        """After every test (``info.status == "running"``) and once at the end (``complete`` / ``interrupted`` /
-        ``aborted``): what to write to incremental reports."""
+        """Before and after every test (``info.status == "running"``; ``info.running`` names the test under way,
+        ``None`` after one finished) and once at the end (``complete`` / ``interrupted`` / ``aborted``): what
+        to write to incremental reports."""
 
 
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
@@ -213,6 +214,7 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
         events.started(state("running", None, 0))
         for i, test in enumerate(the_plan.tests):
             events.test_started(test)
+            events.progressed(outcomes, state("running", test.test_id, i))
 
             def progress(examples: int, shrinking: bool, test: PlannedTest = test) -> None:
                 events.example(test, examples, shrinking)
