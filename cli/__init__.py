@@ -27,6 +27,7 @@ import functools
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -128,20 +129,36 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
     from kvproof.conformance.report import write_document, write_junit_suites
 
     console = _console()
+    last = [0.0]
+
+    def write(results: list[Any], status: str) -> None:
+        if json_report:
+            write_document(json_report, {**prove_json(results, complete=status == "complete"), "status": status})
+        if junit_xml:
+            write_junit_suites(junit_xml, [prove_junit(results)])
+
+    results: list[Any] = []
+
+    def so_far(done: list[Any]) -> None:  # the reports are rewritten at most once a second while the run goes on
+        results[:] = done
+        if time.monotonic() - last[0] >= 1.0:
+            last[0] = time.monotonic()
+            write(results, "running")
+
     try:
         with Progress(console) as progress:
-            results = run_prove(components, name_filter, timeout_ms, progress=progress.update)
+            results = run_prove(components, name_filter, timeout_ms, progress=progress.update, done=so_far)
     except _usage_errors() as err:
         _bad_input(console, err)
+    except KeyboardInterrupt:
+        write(results, "interrupted")
+        _interrupted(console, f"prove ({len(results)} obligation(s) done)")
+    write(results, "complete")
     print_results(console, results)
     print_failures(console, results, show_counterexamples=show_counterexamples)
     bad = [r for r in results if not r.ok]
     total = sum(r.seconds for r in results)
     console.print(f"{len(results)} obligations, {len(bad)} failed, {total:.2f} s solver time")
-    if json_report:
-        write_document(json_report, prove_json(results))
-    if junit_xml:
-        write_junit_suites(junit_xml, [prove_junit(results)])
     sys.exit(1 if bad else 0)
 
 

@@ -16,10 +16,12 @@ __all__ = ["print_failures", "print_results", "prove", "prove_table"]
 
 
 def prove(components: Iterable[Component | str] = (), name_filter: str | None = None,
-          timeout_ms: int = 20_000, progress: Callable[[str], None] | None = None) -> list[Result]:
+          timeout_ms: int = 20_000, progress: Callable[[str], None] | None = None,
+          done: Callable[[list[Result]], None] | None = None) -> list[Result]:
     """Every obligation of the chosen components (default: every component of the registry), in registry order.
 
-    ``progress`` hears "obligation i/n: name" before each one. :class:`UsageError` when the
+    ``progress`` hears "obligation i/n: name" before each one, ``done`` the results so far after
+    each (incremental reports). :class:`UsageError` when the
     selection matches no obligation (naming the filter and the components).
     """
     chosen = parse_components(components) or tuple(Component)
@@ -33,6 +35,8 @@ def prove(components: Iterable[Component | str] = (), name_filter: str | None = 
         if progress is not None:
             progress(f"prove: obligation {i}/{len(selected)}: {ob.name}")
         results.append(spec.run(ob, timeout_ms=timeout_ms))
+        if done is not None:
+            done(results)
     return results
 
 

@@ -14,8 +14,9 @@ profile is derandomized. ``nightly`` still names ``.kvproof/hypothesis`` for
 Hypothesis used directly (a test of your own under this profile, no forced seed).
 ``kvproof.conformance.check.run_check`` turns ``print_blob`` off: the
 ``@reproduce_failure`` advice names a test built inside the stateful runner, which
-nobody can decorate; the seed and the replay command reproduce a failure instead. ``dev`` is a short derandomized run; ``smoke`` a short
-randomized one (its seed is chosen and reported, ``--seed`` replays it).
+nobody can decorate; the seed and the replay command reproduce a failure instead.
+``dev`` is a short derandomized run; ``smoke`` a short randomized one (its seed is
+chosen and printed at the start, ``--seed`` replays it).
 
 Each profile derives from Hypothesis' pristine ``default`` profile, not from whatever
 profile the process had loaded when kvproof was imported, so a user's conftest or the

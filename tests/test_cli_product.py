@@ -199,3 +199,38 @@ def test_progress_of_a_slow_phase_goes_to_stderr() -> None:
     assert result.exit_code == 0
     assert re.search(r"prove: obligation \d+/\d+: loc_cache.no_stale_read.without_alloc", result.stderr)
     assert "prove: obligation" not in result.stdout  # the log of stdout stays clean
+
+
+EXITING_IMPL = '''
+import sys
+from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
+
+
+class Exits(HiSparseHostPool):
+    def request_finished(self, *args, **kwargs):
+        sys.exit(3)
+
+
+def factory(config):
+    return Exits(config)
+
+
+factory.components = ("hisparse_host",)
+'''
+
+
+def test_reports_are_finalised_when_the_run_ends_abnormally(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An implementation that calls sys.exit: whatever ends the run (in process: the exit; isolated: a verdict),
+    the reports parse and say how the run ended, naming the test under way (observation 4)."""
+    (tmp_path / "exits.py").write_text(EXITING_IMPL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    run("conform", *HOST, "--profile", "dev", "--impl", "exits:factory", "--json-report", "r.json",
+        "--junit-xml", "r.xml")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    props = {p.get("name"): p.get("value") for p in ET.parse(tmp_path / "r.xml").getroot().iter("property")}
+    assert doc["status"] == props["status"] and doc["status"] in ("aborted", "complete")
+    if doc["status"] == "aborted":  # in process: the exit went through the harness
+        assert doc["running"] == "hisparse_host/P4-H8-R4-C14" and doc["complete"] is False
+    else:  # an isolated implementation: the exit is a verdict
+        assert doc["results"][0]["status"] == "failed"
