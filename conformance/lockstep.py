@@ -440,9 +440,9 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             built = self._deadline("the factory", lambda: binding.factory(binding.config))
         except LockstepFailure:
             raise
-        except Exception as err:  # noqa: BLE001 - a factory that fails now (it built one before) is a verdict
-            self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (example "
-                      f"{self.stats.examples}; it built an implementation for this config before: intermittent)")
+        except Exception as err:  # noqa: BLE001 - a factory that fails here (run_check's probe passed) is a verdict
+            self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (building the "
+                      f"implementation of example {self.stats.examples})")
         self.caps: frozenset[Capability] = frozenset(built.capabilities)
         self.impl: Any = Watched(built, self)
 

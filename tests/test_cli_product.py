@@ -234,3 +234,9 @@ def test_reports_are_finalised_when_the_run_ends_abnormally(tmp_path: Path, monk
         assert doc["running"] == "hisparse_host/P4-H8-R4-C14" and doc["complete"] is False
     else:  # an isolated implementation: the exit is a verdict
         assert doc["results"][0]["status"] == "failed"
+
+
+def test_a_misspelt_component_is_a_usage_error_naming_the_option() -> None:
+    for verb in ("prove", "conform", "mutants"):
+        result = run(verb, "--component", "swa_alocator")
+        assert result.exit_code == 2 and "--component" in result.output and "swa_allocator" in result.output
