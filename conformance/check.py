@@ -258,6 +258,10 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
         if store is not None:
             saved = store.write(failure, vector)
+    else:
+        if first and store is not None and store.path is not None:  # seen once, then never again: say so
+            saved = store.write(f"seen once, but the run passed (Hypothesis could not reproduce it):\n\n"
+                                f"{first[0][0]}", None)
     return report()
 
 
