@@ -202,11 +202,14 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     if replay_saved and failures_dir is not None:
         hit = first_failing(failures_dir, name, impl_name, config,
                             make_vector(name, config, impl_name, machine_options, [])["machine_options"],
-                            lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout))
+                            lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                    replay_hint=binding.replay_hint or None))
         if hit is not None:
             path, saved_vector, result = hit
-            failure = (f"{result.failure}\n\n(found by replaying {path}, a failure saved by an earlier run, "
-                       "before generating; --fresh ignores saved failures)")
+            vector_file = str(Path(path).with_suffix(".json"))
+            failure = (f"{result.failure}\n\n(found by replaying {vector_file}, a failure saved by an earlier run, "
+                       f"before generating: kvproof replay {vector_file} --impl {impl_name}; --fresh ignores saved "
+                       "failures)")
             return CheckReport(name, impl_name, config, caps, na, {}, {}, result.steps, 0,
                                time.perf_counter() - start, failure, path, (), saved_vector, declared_version)
     first: list[tuple[str, list[dict[str, Any]]]] = []  # the first verdict of the run and its steps
@@ -277,14 +280,17 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
 
 
 def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str = "impl",
-                  op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> ReplayResult:
-    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis."""
+                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_hint: str | None = None) -> ReplayResult:
+    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis.
+
+    ``replay_hint`` is the line a failure ends with (default: the ``kvproof replay`` command).
+    """
     suite = get_suite(str(vector["component"]))
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
-    binding = Binding(factory, config, options, impl_name, f"replay: kvproof replay VECTOR --impl {impl_name}",
-                      op_timeout, RunStats())
+    hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
+    binding = Binding(factory, config, options, impl_name, hint, op_timeout, RunStats())
     try:
         machine = suite.machine(binding)
     except LockstepFailure as err:
