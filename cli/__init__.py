@@ -208,6 +208,8 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
                                   replay_saved=not fresh)
     except _usage_errors() as err:
         _bad_input(console, err)
+    except KeyboardInterrupt:  # between two tests (run_plan finalises the reports of one interrupted inside a test)
+        _interrupted(console, None)
     finally:
         events.progress.stop()
     reports = [o.report for o in outcomes if o.report is not None]

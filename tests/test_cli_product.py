@@ -102,6 +102,7 @@ def test_prove_mutants_and_check_write_json_and_junit(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "m.json").read_text())
     assert doc["format"] == "kvproof-mutants-report/1" and doc["status"] == "complete"
     assert doc["summary"]["killed"] == doc["summary"]["mutants"] == len(doc["results"]) > 0
+    assert all(re.search(rf"\b{re.escape(r['mutant'])}\b", mutants.output) for r in doc["results"])  # names whole
     suite = ET.parse(tmp_path / "m.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("failures") == "0" and suite.get("tests") == str(len(doc["results"]))
 
