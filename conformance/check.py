@@ -15,7 +15,6 @@ rule's capability needs and misuse cases) and its default configs.
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import hashlib
 import importlib
@@ -29,13 +28,16 @@ from pathlib import Path
 from typing import Any, cast
 
 from hypothesis import settings as Settings  # noqa: N812 - the class, next to a `settings` argument
+from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from pydantic import BaseModel
 
-from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, UsageError
+from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, RunInterrupted, UsageError
 from kvproof.conformance.generation import stable_generation
 from kvproof.conformance.lockstep import Binding, Lockstep, MisuseCase, RunStats
 from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.report import diagnosis
+from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
@@ -146,21 +148,6 @@ class CheckReport:
         return self.failure is None
 
 
-def _save_failure(text: str, component: str, impl_name: str, config: Any, directory: Path,
-                  vector: dict[str, Any] | None = None) -> str | None:
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", impl_name)[:60]
-    path = directory / f"{component}-{safe}-{config.label()}-{stamp}.txt"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if vector is not None:
-            path.with_suffix(".json").write_text(json.dumps(vector, indent=1))
-    except OSError:
-        return None
-    return str(path)
-
-
 class _MachineFactory:
     """Builds one machine per example from the run's binding.
 
@@ -206,19 +193,25 @@ def _replay_line(failure_file: str | None, impl_name: str) -> str:
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
               settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None, replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+              replay_saved: bool = False, progress: Callable[[int, bool], None] | None = None,
               **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
     ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).
     ``op_timeout`` bounds every call into the implementation (a hung call is a verdict; ``None``
     calls directly). A failure carries a replayable vector (:mod:`kvproof.conformance.vector`) of
-    the shrunk failing example; with ``failures_dir`` both are saved there.
+    the shrunk failing example; with ``failures_dir`` both are saved there the moment the failure
+    is first seen and replaced by the shrunk one at the end (:mod:`kvproof.conformance.saved`).
+    With ``replay_saved`` the failures saved there for this test are replayed first, and one that
+    still fails is the verdict. ``progress(examples, shrinking)`` is called at every example.
+    Ctrl-C raises :class:`RunInterrupted` carrying the report so far.
     """
     suite = get_suite(component)
     name = suite.component.value
     impl_name = impl_name or factory_spec(factory)
-    # one failure per run, the shrunk one: its vector is the one the report carries
-    settings = Settings(settings or get_profile(profile), report_multiple_bugs=False)
+    # one failure per run, the shrunk one: its vector is the one the report carries; no @reproduce_failure
+    # advice (the stateful test it names is built inside run_state_machine_as_test: nobody can decorate it)
+    settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)
     start = time.perf_counter()
     try:
         probe = factory(config)
@@ -232,28 +225,75 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     stats = RunStats(digest=hashlib.sha256())
     binding = Binding(factory, config, machine_options, impl_name, f"replay: {replay}" if replay else "", op_timeout,
                       stats)
-    failure, saved, vector = None, None, None
+    na = suite.machine.not_applicable(caps, config)
+    store = FailureFile(failures_dir, name, impl_name, config.label()) if failures_dir is not None else None
+    if replay_saved and failures_dir is not None:
+        hit = first_failing(failures_dir, name, impl_name, config,
+                            make_vector(name, config, impl_name, machine_options, [])["machine_options"],
+                            lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                    replay_hint=binding.replay_hint or None))
+        if hit is not None:
+            path, saved_vector, result = hit
+            vector_file = str(Path(path).with_suffix(".json"))
+            failure = (f"{result.failure}\n\n(found by replaying {vector_file}, a failure saved by an earlier run, "
+                       f"before generating: kvproof replay {vector_file} --impl {impl_name}; --fresh ignores saved "
+                       "failures)")
+            return CheckReport(name, impl_name, config, caps, na, {}, {}, result.steps, 0,
+                               time.perf_counter() - start, failure, path, (), saved_vector, declared_version)
+    first: list[tuple[str, list[dict[str, Any]]]] = []  # the first verdict of the run and its steps
+
+    def first_seen(text: str, steps: list[dict[str, Any]]) -> None:
+        if not first:
+            first.append((text, json.loads(json.dumps(steps))))
+            if store is not None:
+                store.write(FIRST_SEEN + text, {**make_vector(name, config, impl_name, machine_options, steps,
+                                                              f"LockstepFailure: {text}"), "first_seen": True})
+
+    stats.on_verdict = first_seen
+    if progress is not None:
+        stats.on_example = lambda s: progress(s.examples, bool(first))
+    failure = None
+    saved: str | None = None
+    vector: dict[str, Any] | None = None
+
+    def report() -> CheckReport:
+        ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
+        never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
+        return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
+                           stats.examples, time.perf_counter() - start, failure, saved, never, vector,
+                           declared_version, stats.digest.hexdigest(), dict(stats.calls))
+
     try:
         with stable_generation():
             # any zero-argument callable returning a machine is a factory (Hypothesis' docs); its stub says a class
             run_state_machine_as_test(cast(Any, _MachineFactory(suite, binding)), settings=settings)
     except HarnessBug:
         raise
+    except KeyboardInterrupt as err:  # stopped by the user: the first-seen failure (if any) is on disk already
+        if first:
+            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            saved = str(store.path) if store is not None and store.path is not None else None
+            vector = {**make_vector(name, config, impl_name, machine_options, first[0][1], failure),
+                      "first_seen": True}
+        raise RunInterrupted(report()) from err
     except Exception as err:  # noqa: BLE001 - the verdict is data here
-        notes = "\n".join(getattr(err, "__notes__", []))
+        notes = "\n".join(n for n in getattr(err, "__notes__", []) if "reproduce_failure" not in n)
         failure = f"{type(err).__name__}: {err}\n{notes}".rstrip()
         steps = stats.last_vector
         if stats.hung:  # Hypothesis' own verdict after a hang is noise (flaky re-runs): report the hang
             failure, steps = f"LockstepFailure: {stats.hung}", stats.hung_vector
+        elif isinstance(err, Flaky) and first:  # a verdict that did not recur: report it, say it is intermittent
+            failure = (f"LockstepFailure: {first[0][0]}\n\n(intermittent: the failure did not recur when "
+                       f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
+            steps = first[0][1]
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
-        if failures_dir is not None:
-            saved = _save_failure(failure, name, impl_name, config, failures_dir, vector)
-    na = suite.machine.not_applicable(caps, config)
-    ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
-    never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
-    return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
-                       stats.examples, time.perf_counter() - start, failure, saved, never, vector, declared_version,
-                       stats.digest.hexdigest(), dict(stats.calls))
+        if store is not None:
+            saved = store.write(failure, vector)
+    else:
+        if first and store is not None and store.path is not None:  # seen once, then never again: say so
+            saved = store.write(f"seen once, but the run passed (Hypothesis could not reproduce it):\n\n"
+                                f"{first[0][0]}", None)
+    return report()
 
 
 def make_vector(component: str, config: Any, impl_name: str, machine_options: Mapping[str, Any],
@@ -268,15 +308,18 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
 
 
 def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str | None = None,
-                  op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> ReplayResult:
-    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis."""
+                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_hint: str | None = None) -> ReplayResult:
+    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis.
+
+    ``replay_hint`` is the line a failure ends with (default: the ``kvproof replay`` command).
+    """
     suite = get_suite(str(vector["component"]))
     impl_name = impl_name or factory_spec(factory)
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
-    binding = Binding(factory, config, options, impl_name, f"replay: kvproof replay VECTOR --impl {impl_name}",
-                      op_timeout, RunStats())
+    hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
+    binding = Binding(factory, config, options, impl_name, hint, op_timeout, RunStats())
     try:
         machine = suite.machine(binding)
     except LockstepFailure as err:
@@ -385,8 +428,5 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
 
 
 def _evidence(failure: str | None) -> str:
-    """The line that says what diverged (the one after the lockstep header), or the first line."""
-    if failure is None:
-        return "survived every config"
-    lines = [line.strip() for line in failure.splitlines() if line.strip()]
-    return lines[1] if len(lines) > 1 and lines[0].startswith("LockstepFailure") else lines[0]
+    """The line that says what diverged (:func:`kvproof.conformance.report.diagnosis`)."""
+    return "survived every config" if failure is None else diagnosis(failure)

@@ -358,6 +358,11 @@ class RunStats:
     hung: str = ""  # the verdict of a call that timed out (later examples stop at once)
     hung_vector: list[dict[str, Any]] = field(default_factory=list)
     digest: Any = None  # hashlib object over every example's steps (the run's fingerprint)
+    #: called with (verdict, the example's steps) at every verdict ``Lockstep.fail`` raises: ``run_check``
+    #: saves the first one at once, before Hypothesis shrinks it (nothing is lost if the run is killed)
+    on_verdict: Callable[[str, list[dict[str, Any]]], None] | None = None
+    #: called at the start of every example (live progress: examples so far, "shrinking…")
+    on_example: Callable[[RunStats], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -429,7 +434,15 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         self.vector: list[dict[str, Any]] = []  # the steps so far, replayable (kvproof.conformance.vector)
         self.stats.examples += 1
         self.stats.last_vector = self.vector
-        built = self._deadline("the factory", lambda: binding.factory(binding.config))
+        if self.stats.on_example is not None:
+            self.stats.on_example(self.stats)
+        try:
+            built = self._deadline("the factory", lambda: binding.factory(binding.config))
+        except LockstepFailure:
+            raise
+        except Exception as err:  # noqa: BLE001 - a factory that fails here (run_check's probe passed) is a verdict
+            self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (building the "
+                      f"implementation of example {self.stats.examples})")
         self.caps: frozenset[Capability] = frozenset(built.capabilities)
         self.impl: Any = Watched(built, self)
 
@@ -513,8 +526,11 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
                 f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.binding.replay_hint}")
 
     def fail(self, message: str) -> NoReturn:
-        """A verdict: raise :class:`LockstepFailure` with the full explanation."""
-        raise LockstepFailure(self.verdict(message))
+        """A verdict: raise :class:`LockstepFailure` with the full explanation (first told to ``stats.on_verdict``)."""
+        text = self.verdict(message)
+        if self.stats.on_verdict is not None:
+            self.stats.on_verdict(text, self.vector)
+        raise LockstepFailure(text)
 
     # ------------------------------------------------------------ one operation on both sides
 

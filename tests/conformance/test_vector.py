@@ -67,8 +67,10 @@ def test_cli_replay_and_bad_vectors(tmp_path) -> None:
     runner = CliRunner()
     bad = runner.invoke(main, ["replay", path, "--impl", "kvproof.conformance.mutants.hisparse_host:ReleaseReversed"])
     assert bad.exit_code == 1 and "FAIL" in bad.output
-    good = runner.invoke(main, ["replay", path])  # the component's default implementation
+    good = runner.invoke(main, ["replay", path, "--impl", "kvproof.gpu_runtime.hisparse_host:HiSparseHostPool"])
     assert good.exit_code == 0, good.output
+    unnamed = runner.invoke(main, ["replay", path])  # recorded as "impl": nothing to replay on without --impl
+    assert unnamed.exit_code == 2 and "--impl" in unnamed.output
     (tmp_path / "junk.json").write_text('{"format": "something-else"}')
     assert runner.invoke(main, ["replay", str(tmp_path / "junk.json")]).exit_code == 2
     with pytest.raises(VectorError, match="not JSON"):
