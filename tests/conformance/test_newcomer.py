@@ -102,6 +102,13 @@ def test_bad_plugin_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in out.stdout and "pytest_plugin.py:" not in out.stdout, out.stdout[-3000:]
 
 
+def test_a_plugin_seed_with_a_derandomized_profile_is_refused(tmp_path: Path) -> None:
+    """As `kvproof conform --seed` with `ci` or `dev`: refused, never silently ignored."""
+    out = _plugin(tmp_path, "--kvproof-component", "hisparse_host", "--kvproof-seed", "7")
+    assert out.returncode != 0
+    assert "kvproof: --kvproof-seed 7: profile dev is derandomized" in out.stdout, out.stdout[-3000:]
+
+
 def test_the_plugin_can_also_be_named_with_dash_p(tmp_path: Path) -> None:
     """`-p kvproof.conformance.pytest_plugin` (the module's name) is the registered plugin, not a clash."""
     out = _plugin(tmp_path, "-p", "kvproof.conformance.pytest_plugin", "--kvproof-component", "hisparse_host",
