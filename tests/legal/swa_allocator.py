@@ -40,7 +40,7 @@ from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
-__all__ = ["SMALL", "LegalKVPool", "LegalSWAAllocator", "Policy", "fifo", "fifo_small", "lifo", "lifo_small", "randomized",
+__all__ = ["SMALL", "LegalKVPool", "config_seed", "LegalSWAAllocator", "Policy", "fifo", "fifo_small", "lifo", "lifo_small", "randomized",
            "randomized_small"]
 
 C = Capability
@@ -321,7 +321,8 @@ def _tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def _seed(config: Any) -> int:
+def config_seed(config: Any) -> int:
+    """The seed of :func:`randomized` for ``config``: the same config, the same reuse order."""
     return zlib.crc32(config.label().encode())
 
 
@@ -337,7 +338,7 @@ def lifo(config: PoolConfig) -> LegalSWAAllocator:
 
 def randomized(config: PoolConfig) -> LegalSWAAllocator:
     """Each freed page goes to a random place in the free list (seeded by the config: same run, same order)."""
-    return LegalSWAAllocator(config, Policy.RANDOMIZED, seed=_seed(config))
+    return LegalSWAAllocator(config, Policy.RANDOMIZED, seed=config_seed(config))
 
 
 #: The surface of a small allocator without drafts, CPU copies or ``free_full`` (the issue's newcomer's):
