@@ -21,7 +21,9 @@ Theory of operation
 Ghost state (kvproof's, not SGLang's): page owners in both pools, the number of
 *live* (handed-out) slots of each full page (``fill``; always a prefix of the page),
 and an ``epoch`` that every release bumps. They make G1-G5 and M1-M5 checkable
-after every step (:mod:`kvproof.reference.invariants`).
+after every step (:mod:`kvproof.reference.invariants`). KV rows are ghost-tracked
+too: a release forgets the rows of the pages it gives back, so only rows the
+current owner wrote are defined (:mod:`kvproof.reference.kv`).
 
 Where kvproof deliberately differs from SGLang 0.5.23, the code says
 ``[Differs from SGLang 0.5.23: ...]``:

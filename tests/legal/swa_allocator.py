@@ -40,8 +40,19 @@ from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
-__all__ = ["SMALL", "LegalKVPool", "config_seed", "LegalSWAAllocator", "Policy", "fifo", "fifo_small", "lifo", "lifo_small", "randomized",
-           "randomized_small"]
+__all__ = [
+    "SMALL",
+    "LegalKVPool",
+    "LegalSWAAllocator",
+    "Policy",
+    "config_seed",
+    "fifo",
+    "fifo_small",
+    "lifo",
+    "lifo_small",
+    "randomized",
+    "randomized_small",
+]
 
 C = Capability
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
