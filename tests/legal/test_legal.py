@@ -45,9 +45,11 @@ LEGAL |= {f"tests.legal.swa_allocator:{name}": getattr(swa_allocator, name)
           for name in ("fifo_small", "lifo_small", "randomized_small")}
 
 
-def _cases() -> list[Any]:
+def _cases(*, small: bool = True) -> list[Any]:
     cases = []
     for impl, factory in LEGAL.items():
+        if impl.endswith("_small") and not small:
+            continue
         probe = get_suite(Component.HISPARSE_HOST if "hisparse_host" in impl else Component.SWA_ALLOCATOR).configs[0]
         for component in sorted(factory(probe).components):
             suite = get_suite(component)
@@ -58,6 +60,8 @@ def _cases() -> list[Any]:
 
 
 CASES = _cases()
+#: dev and smoke (short runs, 1/6 of ci) leave out the ``*_small`` variants, whose surface the full ones cover
+SHORT_CASES = _cases(small=False)
 
 
 def test_every_component_has_legal_implementations() -> None:
@@ -67,12 +71,23 @@ def test_every_component_has_legal_implementations() -> None:
         assert {name for comp, name in served if comp is component} >= {"fifo", "lifo", "randomized"}, component
 
 
-@pytest.mark.parametrize("profile", ["ci", "dev", "smoke"])
-@pytest.mark.parametrize(("impl", "component", "config"), CASES)
-def test_legal_implementation_passes(impl: str, component: Component, config: Any, profile: str) -> None:
+def _passes(impl: str, component: Component, config: Any, profile: str) -> None:
     report = run_check(component, LEGAL[impl], config, profile=profile, impl_name=impl, failures_dir=None)
     assert report.passed, report.failure
     assert report.steps > 0 and report.outcomes.get("ok", 0) > 0
+
+
+@pytest.mark.parametrize(("impl", "component", "config"), CASES)
+def test_legal_implementation_passes_ci(impl: str, component: Component, config: Any) -> None:
+    _passes(impl, component, config, "ci")
+
+
+@pytest.mark.parametrize("profile", ["dev", "smoke"])
+@pytest.mark.parametrize(("impl", "component", "config"), SHORT_CASES)
+def test_legal_implementation_passes_short_profiles(impl: str, component: Component, config: Any,
+                                                     profile: str) -> None:
+    """``smoke`` is randomized: every run draws new examples."""
+    _passes(impl, component, config, profile)
 
 
 # ------------------------------------------------------------------ observation 1: the saved vectors
@@ -165,3 +180,34 @@ def test_corrupting_a_row_the_owner_wrote_is_caught(variant: type[swa_allocator.
             break
     assert verdicts, f"{variant.__name__} survived every config"
     assert "KV of layer" in verdicts[0] and rule in verdicts[0]
+
+
+class ForwardWithoutInvalidation(loc_cache.LegalLocCacheSystem):
+    """The legal ``loc_cache`` system without its per-forward invalidation point (#26152)."""
+
+    def forward(self, out_cache_loc: torch.Tensor, cache_k: dict[int, torch.Tensor],
+                cache_v: dict[int, torch.Tensor]) -> None:
+        self._run(out_cache_loc, cache_k, cache_v)
+
+
+class FinishCorruptsOtherRequests(hisparse_host.LegalHostPool):
+    """The legal host pool, except that ``request_finished`` scribbles over every other request's host data."""
+
+    def request_finished(self, req: int) -> None:
+        super().request_finished(req)
+        self.data += 1000
+
+
+@pytest.mark.parametrize(("component", "variant", "evidence"), [
+    (Component.LOC_CACHE, ForwardWithoutInvalidation, "KV of layer"),
+    (Component.HISPARSE_HOST, FinishCorruptsOtherRequests, "host data of request slot"),
+])
+def test_broken_variants_of_the_other_legal_implementations_are_caught(component: Component, variant: Any,
+                                                                       evidence: str) -> None:
+    """The cache of the legal ``loc_cache`` system is a real one, and host data the requests wrote is compared."""
+    for config in get_suite(component).configs:
+        report = run_check(component, variant, config, profile="ci", impl_name=variant.__name__, failures_dir=None)
+        if not report.passed:
+            assert evidence in (report.failure or ""), report.failure
+            return
+    pytest.fail(f"{variant.__name__} survived every config")
