@@ -182,12 +182,10 @@ def test_corrupting_a_row_the_owner_wrote_is_caught(variant: type[swa_allocator.
     assert "KV of layer" in verdicts[0] and rule in verdicts[0]
 
 
-class ForwardWithoutInvalidation(loc_cache.LegalLocCacheSystem):
-    """The legal ``loc_cache`` system without its per-forward invalidation point (#26152)."""
+class RemapWithoutInvalidation(loc_cache.LegalLocCacheSystem):
+    """The legal ``loc_cache`` system without the invalidation point of ``set_full_to_swa_mapping``."""
 
-    def forward(self, out_cache_loc: torch.Tensor, cache_k: dict[int, torch.Tensor],
-                cache_v: dict[int, torch.Tensor]) -> None:
-        self._run(out_cache_loc, cache_k, cache_v)
+    set_full_to_swa_mapping = swa_allocator.LegalSWAAllocator.set_full_to_swa_mapping
 
 
 class FinishCorruptsOtherRequests(hisparse_host.LegalHostPool):
@@ -199,7 +197,7 @@ class FinishCorruptsOtherRequests(hisparse_host.LegalHostPool):
 
 
 @pytest.mark.parametrize(("component", "variant", "evidence"), [
-    (Component.LOC_CACHE, ForwardWithoutInvalidation, "KV of layer"),
+    (Component.LOC_CACHE, RemapWithoutInvalidation, "stale translation"),
     (Component.HISPARSE_HOST, FinishCorruptsOtherRequests, "host data of request slot"),
 ])
 def test_broken_variants_of_the_other_legal_implementations_are_caught(component: Component, variant: Any,
