@@ -34,7 +34,16 @@ from pydantic import BaseModel
 
 from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, UsageError
 from kvproof.conformance.generation import stable_generation
-from kvproof.conformance.lockstep import Binding, Lockstep, MisuseCase, RunStats
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, ISOLATION_MODES, Crash, run_isolated
+from kvproof.conformance.lockstep import (
+    Binding,
+    Lockstep,
+    MisuseCase,
+    OperationTimeout,
+    RunStats,
+    call_implementation,
+    escape_message,
+)
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
@@ -176,9 +185,16 @@ class _MachineFactory:
         return self.suite.machine(self.binding)
 
 
+def _isolation(isolation: str) -> str:
+    if isolation not in ISOLATION_MODES:
+        raise UsageError(f"isolation={isolation!r}: choose one of {list(ISOLATION_MODES)}")
+    return isolation
+
+
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
               settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl", replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+              isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
               **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
@@ -186,19 +202,39 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     ``op_timeout`` bounds every call into the implementation (a hung call is a verdict; ``None``
     calls directly). A failure carries a replayable vector (:mod:`kvproof.conformance.vector`) of
     the shrunk failing example; with ``failures_dir`` both are saved there.
+
+    ``isolation="process"`` (the default) runs the whole run in a child process
+    (:mod:`kvproof.conformance.isolation`): an implementation that exits, crashes, hangs past
+    any alarm or grows the process by more than ``memory_limit_mb`` MiB (0: no limit) gets a
+    verdict naming the call and the step, never ends the caller. ``"in-process"`` is faster and
+    unprotected against those.
     """
+    if _isolation(isolation) == "process":
+        start = time.perf_counter()
+        outcome = run_isolated(
+            lambda: run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
+                              replay=replay, failures_dir=failures_dir, op_timeout=op_timeout,
+                              isolation="in-process", **machine_options),
+            op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)
+        if not isinstance(outcome, Crash):
+            return outcome
+        return _crash_report(component, config, impl_name, replay, failures_dir, machine_options, outcome,
+                             time.perf_counter() - start)
     suite = get_suite(component)
     name = suite.component.value
     # one failure per run, the shrunk one: its vector is the one the report carries
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False)
     start = time.perf_counter()
-    try:
-        probe = factory(config)
+    try:  # under the per-call deadline, like every implementation call
+        probe = call_implementation("the factory", lambda: factory(config), op_timeout)
         caps = frozenset(probe.capabilities)
         declared_version = str(getattr(probe, "version", "") or "")
-    except Exception as err:  # noqa: BLE001 - a factory that cannot build is a verdict, not a crash
-        failure: str | None = (f"the factory could not build an implementation for {config.label()}: "
-                               f"{type(err).__name__}: {err}")
+    except (Exception, OperationTimeout, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - a verdict, not a crash
+        if isinstance(err, OperationTimeout):
+            why = f"it did not return within {op_timeout:g} s (hung)"
+        else:
+            why = escape_message("the factory", err) or f"{type(err).__name__}: {err}"
+        failure: str | None = f"the factory could not build an implementation for {config.label()}: {why}"
         return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, 0, 0, time.perf_counter() - start,
                            failure)
     stats = RunStats(digest=hashlib.sha256())
@@ -228,6 +264,21 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                        stats.digest.hexdigest(), dict(stats.calls))
 
 
+def _crash_report(component: Component | str, config: Any, impl_name: str, replay: str, failures_dir: Path | None,
+                  machine_options: Mapping[str, Any], crash: Crash, seconds: float) -> CheckReport:
+    """The report of a run whose process ended without one: the call, the step, the operations so far, a vector."""
+    name = get_suite(component).component.value
+    hint = f"\n\n{'replay: ' + replay if replay else ''}".rstrip()
+    lines = "\n".join(f"  | {line}" for line in crash.output.splitlines())
+    output = f"\n\nthe implementation process's last output:\n{lines}" if crash.output else ""
+    failure = (f"LockstepFailure: {impl_name} diverged from the reference [{config.label()}] at step {crash.step}:\n"
+               f"  {crash.message}\n\noperations so far:\n{crash.trace.render()}{output}{hint}")
+    vector = make_vector(name, config, impl_name, machine_options, crash.vector, failure)
+    saved = _save_failure(failure, name, impl_name, config, failures_dir, vector) if failures_dir is not None else None
+    return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, crash.step, crash.examples, seconds, failure,
+                       saved, (), vector)
+
+
 def make_vector(component: str, config: Any, impl_name: str, machine_options: Mapping[str, Any],
                 steps: list[dict[str, Any]], failure: str | None = None) -> dict[str, Any]:
     """A replayable vector: the suite, the config, the machine options and the steps (JSON-able)."""
@@ -240,10 +291,23 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
 
 
 def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str = "impl",
-                  op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> ReplayResult:
-    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis."""
+                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, isolation: str = "process",
+                  memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> ReplayResult:
+    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis.
+
+    ``isolation`` and ``memory_limit_mb`` as for :func:`run_check`.
+    """
     suite = get_suite(str(vector["component"]))
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
+    if _isolation(isolation) == "process":
+        outcome = run_isolated(lambda: replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                     isolation="in-process"),
+                               op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)
+        if not isinstance(outcome, Crash):
+            return outcome
+        failure = (f"LockstepFailure: {impl_name} diverged from the reference [{config.label()}] at step "
+                   f"{outcome.step}:\n  {outcome.message}\n\noperations so far:\n{outcome.trace.render()}")
+        return ReplayResult(suite.component.value, config.label(), max(len(outcome.vector) - 1, 0), failure)
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
     binding = Binding(factory, config, options, impl_name, f"replay: kvproof replay VECTOR --impl {impl_name}",
@@ -261,11 +325,11 @@ def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs
 
 
 def check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-          settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl",
-          **machine_options: Any) -> CheckReport:
+          settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl", isolation: str = "process",
+          memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, **machine_options: Any) -> CheckReport:
     """Like :func:`run_check` but raise :class:`ConformanceFailure` on a failure (pytest-free, trio style)."""
     report = run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
-                       **machine_options)
+                       isolation=isolation, memory_limit_mb=memory_limit_mb, **machine_options)
     if not report.passed:
         where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
         raise ConformanceFailure(f"{impl_name} [{report.component} {config.label()}]: {report.failure}{where}")
@@ -323,6 +387,7 @@ def mutants_of(component: Component | str) -> dict[str, Callable[[Any], Any]]:
 
 def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any, ...] | None = None, *,
                  profile: str = "ci", shrink: bool = False, component: Component | str = Component.SWA_ALLOCATOR,
+                 isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
                  **machine_options: Any) -> list[MutantVerdict]:
     """Run the suite against each mutant, config by config, until one config catches it.
 
@@ -338,7 +403,8 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
         start, hit = time.perf_counter(), None
         for config in configs:
             report = run_check(component, factory, config, settings=settings, impl_name=f"mutant {name}",
-                               failures_dir=None, **machine_options)
+                               failures_dir=None, isolation=isolation, memory_limit_mb=memory_limit_mb,
+                               **machine_options)
             if not report.passed:
                 hit = report
                 break
