@@ -54,8 +54,8 @@ from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.registry import Component
 
 __all__ = ["Binding", "CallMonitor", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout",
-           "RunStats", "Trace", "call_implementation", "check_after_each_step", "escape_message", "index_problem", "misuse",
-           "operation", "scenario", "set_monitor"]
+           "RunStats", "Trace", "call_implementation", "check_after_each_step", "escape_message", "index_problem",
+           "misuse", "operation", "scenario", "set_monitor"]
 
 ConfigT = TypeVar("ConfigT")
 ImplT = TypeVar("ImplT")
