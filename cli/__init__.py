@@ -12,7 +12,12 @@ Every verb takes ``--component`` with the registry's choices (``kvproof.referenc
 and ``conform`` the options the suites declare (``--policy``). The verbs are presentation
 over the run planner (:mod:`kvproof.conformance.plan`) and the spec package. Exit codes:
 0 pass, 1 a verdict (a divergence, a failed obligation, a surviving mutant), 2 bad input
-or a harness error, with a message naming what was wrong.
+or a harness error, with a message naming what was wrong. They are kvproof's alone:
+``conform``, ``check``, ``mutants`` and ``replay`` run each config in a child process
+(:mod:`kvproof.conformance.isolation`), so an implementation that exits (``sys.exit(0)``,
+``os._exit(7)``), segfaults, hangs (its factory included, ``BaseException`` swallowed or not)
+or outgrows ``--memory-limit`` gets a verdict (exit 1) and the run goes on to the next
+config. ``--in-process`` runs in kvproof's own process: faster, not protected against those.
 """
 
 from __future__ import annotations
@@ -61,6 +66,28 @@ CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
                       help="Run only this config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
 COMPONENTS = click.option("--component", "components", multiple=True, type=COMPONENT_CHOICES,
                           help="Only this component; repeatable. Default: all (conform: those the --impl declare).")
+#: kvproof.conformance.isolation.DEFAULT_MEMORY_LIMIT_MB, not imported: ``kvproof --help`` does not import the harness
+MEMORY_LIMIT_MB = 8192
+
+
+def with_isolation(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--in-process`` and ``--memory-limit``, collected into ``isolation`` (keyword arguments of the runs)."""
+    command = click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0),
+                           default=MEMORY_LIMIT_MB, show_default=True, metavar="MIB",
+                           help="MiB the implementation's process may grow by before it is killed (a verdict); "
+                                "0: no limit. Process isolation only.")(command)
+    command = click.option("--in-process", "in_process", is_flag=True,
+                           help="Run implementations in kvproof's own process (faster; not protected against an "
+                                "implementation that exits, segfaults, hangs swallowing BaseException or exhausts "
+                                "memory). Default: one child process per config.")(command)
+
+    @functools.wraps(command)
+    def collected(**kwargs: Any) -> Any:
+        in_process, limit = kwargs.pop("in_process"), kwargs.pop("memory_limit")
+        kwargs["isolation"] = {"isolation": "in-process" if in_process else "process", "memory_limit_mb": limit}
+        return command(**kwargs)
+
+    return collected
 
 
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,11 +148,17 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
 @click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here.")
 @click.option("--op-timeout", type=float, default=60.0, show_default=True,
               help="Seconds one implementation call may take before it counts as hung.")
+@with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float, suite_options: dict[str, str]) -> None:
-    """Run the lockstep conformance suites, one row per component and pool config."""
+            junit_xml: str | None, op_timeout: float, suite_options: dict[str, str], isolation: dict[str, Any]) -> None:
+    """Run the lockstep conformance suites, one row per component and pool config.
+
+    Each config runs in a child process (see --in-process). Exit codes: 0 pass, 1 a verdict
+    (an implementation diverged, exited, crashed, hung or outgrew --memory-limit), 2 bad input
+    or a harness error.
+    """
     from kvproof.cli.conform import conform_table, counts, print_reports
     from kvproof.conformance.plan import load_impls, plan, run_plan
     from kvproof.conformance.report import load_selection, write_json, write_junit
@@ -137,7 +170,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     except _usage_errors() as err:
         _bad_input(console, err)
     outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout,
-                              on_report=lambda r: _report_progress(console, r))
+                              on_report=lambda r: _report_progress(console, r), **isolation)
     reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
     print_reports(console, reports)
@@ -159,8 +192,12 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
 @main.command()
 @PROFILE
 @COMPONENTS
-def check(profile: str, components: tuple[str, ...]) -> None:
-    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
+@with_isolation
+def check(profile: str, components: tuple[str, ...], isolation: dict[str, Any]) -> None:
+    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes.
+
+    Exit codes: 0 pass, 1 a verdict, 2 bad input or a harness error.
+    """
     from kvproof.cli.conform import conform_table, mutants_table, print_reports, run_mutants
     from kvproof.cli.prove import print_failures, prove_table
     from kvproof.cli.prove import prove as run_prove
@@ -170,11 +207,12 @@ def check(profile: str, components: tuple[str, ...]) -> None:
     results = run_prove(components)
     console.print(prove_table(results))
     print_failures(console, results, show_counterexamples=False)
-    outcomes, _ = run_plan(plan(components), profile=profile, on_report=lambda r: _report_progress(console, r))
+    outcomes, _ = run_plan(plan(components), profile=profile, on_report=lambda r: _report_progress(console, r),
+                           **isolation)
     reports = [o.report for o in outcomes if o.report is not None]
     console.print(conform_table(reports))
     print_reports(console, reports)
-    verdicts = run_mutants(profile, components)
+    verdicts = run_mutants(profile, components, **isolation)
     console.print(mutants_table(verdicts))
     summary = Table(title="kvproof check")
     for col in ("part", "items", "passed", "verdict"):
@@ -191,12 +229,16 @@ def check(profile: str, components: tuple[str, ...]) -> None:
 @main.command()
 @PROFILE
 @COMPONENTS
-def mutants(profile: str, components: tuple[str, ...]) -> None:
-    """Test the tester: each component's suite must kill every deliberately broken runtime."""
+@with_isolation
+def mutants(profile: str, components: tuple[str, ...], isolation: dict[str, Any]) -> None:
+    """Test the tester: each component's suite must kill every deliberately broken runtime.
+
+    Exit codes: 0 every mutant killed, 1 one survived, 2 bad input or a harness error.
+    """
     from kvproof.cli.conform import mutants_table, run_mutants
 
     console = _console()
-    verdicts = run_mutants(profile, components)
+    verdicts = run_mutants(profile, components, **isolation)
     console.print(mutants_table(verdicts))
     sys.exit(0 if verdicts and all(v.killed for v in verdicts) else 1)
 
@@ -205,7 +247,10 @@ def mutants(profile: str, components: tuple[str, ...]) -> None:
 @click.argument("vector_file", metavar="VECTOR")
 @click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
               help="Implementation to replay on. Default: the component's torch runtime.")
-def replay(vector_file: str, impl_spec: str | None) -> None:
+@click.option("--op-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds one implementation call may take before it counts as hung.")
+@with_isolation
+def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation: dict[str, Any]) -> None:
     """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
 
     Exit 0 if every step and check passes on the implementation, 1 if it fails, 2 if the
@@ -220,7 +265,7 @@ def replay(vector_file: str, impl_spec: str | None) -> None:
     try:
         vector = load_vector(vector_file)
         spec = impl_spec or info(str(vector["component"])).default_impl
-        result = replay_vector(vector, load_factory(spec), impl_name=spec)
+        result = replay_vector(vector, load_factory(spec), impl_name=spec, op_timeout=op_timeout, **isolation)
     except _usage_errors() as err:
         console.print(f"[red]cannot replay {vector_file}: {err}[/]")
         sys.exit(2)

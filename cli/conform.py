@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -57,11 +58,12 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
                               markup=False, highlight=False, soft_wrap=True)
 
 
-def run_mutants(profile: str, components: Iterable[Component | str] = ()) -> list[MutantVerdict]:
-    """Every selected component's runtime mutants (default: all components) against that component's suite."""
+def run_mutants(profile: str, components: Iterable[Component | str] = (), **isolation: Any) -> list[MutantVerdict]:
+    """Every selected component's runtime mutants (default: all components) against that component's suite;
+    ``isolation``: ``isolation`` / ``memory_limit_mb`` of ``kill_mutants``."""
     verdicts = []
     for component in parse_components(components) or tuple(Component):
-        verdicts += kill_mutants(mutants_of(component), profile=profile, component=component)
+        verdicts += kill_mutants(mutants_of(component), profile=profile, component=component, **isolation)
     return verdicts
 
 

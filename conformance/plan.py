@@ -28,6 +28,7 @@ from typing import Any
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
 from kvproof.conformance.errors import ImplSpecError, UsageError
 from kvproof.conformance.generation import forced_seed
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, info, parse_components
@@ -157,12 +158,17 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
 
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomized",
-                op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> Outcome:
-    """Run one planned test (not its skip: the caller decides) and classify the result."""
+                op_timeout: float | None = DEFAULT_OP_TIMEOUT, isolation: str = "process",
+                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> Outcome:
+    """Run one planned test (not its skip: the caller decides) and classify the result.
+
+    ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`.
+    """
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
-                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, **test.options)
+                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, isolation=isolation,
+                       memory_limit_mb=memory_limit_mb, **test.options)
     status = "passed" if report.passed else "failed"
     if test.selected:  # an expected failure
         status = "xpassed" if report.passed else "xfailed"
@@ -171,13 +177,15 @@ def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomi
 
 
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-             on_report: Callable[[CheckReport], None] | None = None) -> tuple[list[Outcome], RunInfo]:
+             on_report: Callable[[CheckReport], None] | None = None, isolation: str = "process",
+             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> tuple[list[Outcome], RunInfo]:
     """Run every planned test under one seed; the outcomes and what every report states about the run."""
     outcomes: list[Outcome] = []
     versions: set[str] = set()
     with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
         for test in the_plan.tests:
-            outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout)
+            outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout, isolation=isolation,
+                                  memory_limit_mb=memory_limit_mb)
             outcomes.append(outcome)
             if outcome.report is not None:
                 versions.add(outcome.report.impl_version or impl_version(None, test.impl.factory))
