@@ -23,6 +23,7 @@ import json
 import re
 import time
 import unittest
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from pydantic import BaseModel
 
 from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, UsageError
 from kvproof.conformance.generation import stable_generation
-from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, ISOLATION_MODES, Crash, run_isolated
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, ISOLATION_MODES, Crash, fork_problem, run_isolated
 from kvproof.conformance.lockstep import (
     Binding,
     Lockstep,
@@ -191,6 +192,13 @@ def _isolation(isolation: str) -> str:
     return isolation
 
 
+def _cannot_fork() -> bool:
+    problem = fork_problem()
+    if problem:
+        warnings.warn(f"implementation runs in kvproof's process (not isolated): {problem}", stacklevel=3)
+    return bool(problem)
+
+
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
               settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl", replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
@@ -209,7 +217,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     verdict naming the call and the step, never ends the caller. ``"in-process"`` is faster and
     unprotected against those.
     """
-    if _isolation(isolation) == "process":
+    if _isolation(isolation) == "process" and not _cannot_fork():
         start = time.perf_counter()
         outcome = run_isolated(
             lambda: run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
@@ -299,7 +307,7 @@ def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl
     """
     suite = get_suite(str(vector["component"]))
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
-    if _isolation(isolation) == "process":
+    if _isolation(isolation) == "process" and not _cannot_fork():
         outcome = run_isolated(lambda: replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout,
                                                      isolation="in-process"),
                                op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)

@@ -26,7 +26,12 @@ and returns its result, or a :class:`Crash` when the child did not deliver one:
   pytest teardown runs there); the parent always reaps it, also on Ctrl-C.
 
 One child per config, reused across all examples of that config: the start costs one
-``fork`` (``kvproof bench`` measures it and the per-step cost of the reporting).
+``fork`` (``kvproof bench`` measures it and the per-step cost of the reporting). The child
+runs torch single-threaded (OpenMP's thread team does not survive ``fork``). CUDA does not
+survive it either: once this process has initialised CUDA, :func:`fork_problem` says so
+and runs fall back to in-process (with a warning); this module sets
+``PYTORCH_NVML_BASED_CUDA_CHECK`` so that asking whether a GPU is present does not
+initialise CUDA.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from typing import Any, Generic, TypeVar
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.lockstep import Lockstep, Trace, set_monitor
 
-__all__ = ["DEFAULT_MEMORY_LIMIT_MB", "GRACE", "ISOLATION_MODES", "POLL", "Crash", "run_isolated"]
+__all__ = ["DEFAULT_MEMORY_LIMIT_MB", "GRACE", "ISOLATION_MODES", "POLL", "Crash", "fork_problem", "run_isolated"]
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() without initialising CUDA
 
 #: ``process``: each config's run in a supervised child (the default); ``in-process``: in kvproof's process.
 ISOLATION_MODES = ("process", "in-process")
@@ -135,16 +142,27 @@ class _Reporter:
             self.new_example = False
 
 
+def fork_problem() -> str | None:
+    """Why this process cannot fork a working child now (``None``: it can)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in this process and does not survive fork()"
+    return None
+
+
 def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output: int) -> None:
     """Run ``work`` and send its result; never returns (``os._exit``)."""
     try:
         os.dup2(output, 1)
         os.dup2(output, 2)
+        # fresh stream objects: another thread of the parent may have held the old ones' locks at fork()
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - process-long, like sys.stdout
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills this process
         torch = sys.modules.get("torch")
         if torch is not None:  # OpenMP's thread team does not survive fork(): a parallel region would hang
             torch.set_num_threads(1)
-        faulthandler.enable(file=sys.__stderr__ or sys.stderr)
+        faulthandler.enable(file=sys.stderr)
         set_monitor(_Reporter(conn, shared))
         result = work()
         conn.send(("done", result))
@@ -162,12 +180,16 @@ def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output:
 
 
 def _rss(pid: int) -> int:
-    """Resident bytes of process ``pid`` (0 if it is gone)."""
+    """Resident anonymous bytes of process ``pid`` (``RssAnon``: what it allocated, not the library pages it
+    touches again after fork; 0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * mmap.PAGESIZE
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, IndexError, ValueError):
         return 0
+    return 0
 
 
 def _tail(output: Any, lines: int = 12) -> str:
