@@ -272,15 +272,20 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                        stats.digest.hexdigest(), dict(stats.calls))
 
 
+def _crash_text(impl_name: str, label: str, crash: Crash, hint: str) -> str:
+    """A crash as a lockstep verdict: the call and the step, the operations so far, what the process printed last."""
+    lines = "\n".join(f"  | {line}" for line in crash.output.splitlines())
+    output = f"\n\nthe implementation process's last output:\n{lines}" if crash.output else ""
+    return (f"LockstepFailure: {impl_name} diverged from the reference [{label}] at step {crash.step}:\n"
+            f"  {crash.message}\n\noperations so far:\n{crash.trace.render()}{output}"
+            + (f"\n\n{hint}" if hint else ""))
+
+
 def _crash_report(component: Component | str, config: Any, impl_name: str, replay: str, failures_dir: Path | None,
                   machine_options: Mapping[str, Any], crash: Crash, seconds: float) -> CheckReport:
     """The report of a run whose process ended without one: the call, the step, the operations so far, a vector."""
     name = get_suite(component).component.value
-    hint = f"\n\n{'replay: ' + replay if replay else ''}".rstrip()
-    lines = "\n".join(f"  | {line}" for line in crash.output.splitlines())
-    output = f"\n\nthe implementation process's last output:\n{lines}" if crash.output else ""
-    failure = (f"LockstepFailure: {impl_name} diverged from the reference [{config.label()}] at step {crash.step}:\n"
-               f"  {crash.message}\n\noperations so far:\n{crash.trace.render()}{output}{hint}")
+    failure = _crash_text(impl_name, config.label(), crash, f"replay: {replay}" if replay else "")
     vector = make_vector(name, config, impl_name, machine_options, crash.vector, failure)
     saved = _save_failure(failure, name, impl_name, config, failures_dir, vector) if failures_dir is not None else None
     return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, crash.step, crash.examples, seconds, failure,
@@ -313,8 +318,7 @@ def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl
                                op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)
         if not isinstance(outcome, Crash):
             return outcome
-        failure = (f"LockstepFailure: {impl_name} diverged from the reference [{config.label()}] at step "
-                   f"{outcome.step}:\n  {outcome.message}\n\noperations so far:\n{outcome.trace.render()}")
+        failure = _crash_text(impl_name, config.label(), outcome, "")
         return ReplayResult(suite.component.value, config.label(), max(len(outcome.vector) - 1, 0), failure)
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}

@@ -200,7 +200,11 @@ def _tail(output: Any, lines: int = 12) -> str:
         text = output.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+    all_lines = text.rstrip().splitlines()
+    fatal = [i for i, line in enumerate(all_lines) if line.startswith("Fatal Python error")]
+    if fatal:  # faulthandler's report: the crash, then the innermost frames first
+        return "\n".join(all_lines[fatal[-1]:fatal[-1] + lines])
+    return "\n".join(all_lines[-lines:])
 
 
 def _death(status: int) -> str:
