@@ -6,6 +6,8 @@ In the style of trio's ``check_*`` functions: the caller passes a factory
 :class:`~kvproof.conformance.errors.ConformanceFailure` when the report is not a pass.
 Every failure is also written to ``.kvproof/failures/`` with the operation trace,
 Hypothesis' falsifying program and a replayable vector, so nothing a run finds is lost.
+Each run is isolated in a child process by default (:mod:`kvproof.conformance.isolation`):
+an implementation that exits, crashes, hangs or exhausts memory gets a verdict there.
 
 The suites are found through the component registry (``kvproof.reference.registry``):
 each component's module ``kvproof.conformance.<component>`` exports ``SUITE``, a

@@ -137,7 +137,10 @@ class _Reporter:
             steps = (start, vector[start:])
             self.sent_steps, self.sent_draws = len(vector), draws
         if journal or steps is not None or self.new_example:
-            self.conn.send(("events", self.new_example, list(journal), steps))
+            try:
+                self.conn.send(("events", self.new_example, list(journal), steps))
+            except OSError:  # the parent is gone: so is the point of going on
+                os._exit(1)
             journal.clear()
             self.new_example = False
 
@@ -150,9 +153,21 @@ def fork_problem() -> str | None:
     return None
 
 
-def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output: int) -> None:
+def _die_with(parent: int) -> None:
+    """End this process when ``parent`` ends, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere a broken pipe
+    ends it at its next call)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
+
+
+def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output: int, parent: int) -> None:
     """Run ``work`` and send its result; never returns (``os._exit``)."""
     try:
+        _die_with(parent)
         os.dup2(output, 1)
         os.dup2(output, 2)
         # fresh stream objects: another thread of the parent may have held the old ones' locks at fork()
@@ -231,10 +246,11 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child (measured through the parent)
         reader.close()
-        _child(work, writer, shared, output.fileno())
+        _child(work, writer, shared, output.fileno(), parent)
     writer.close()
     out: _Outcome[T] = _Outcome()
     status: int | None = None

@@ -109,3 +109,10 @@ class WritesReturned(SWATokenToKVPoolAllocator):
         super().free(free_index)
         if self.handed is not None and self.handed.numel():
             self.handed.fill_(0)
+
+
+class RaisesKeyboardInterrupt(SWATokenToKVPoolAllocator):
+    """Indistinguishable from a real Ctrl-C: in-process, it stops the run (it is not turned into a verdict)."""
+
+    def alloc_extend(self, *args, **kwargs):
+        raise KeyboardInterrupt

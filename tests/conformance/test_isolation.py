@@ -124,8 +124,16 @@ def test_cli_usage_of_the_isolation_options(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--memory-limit" in out.stderr
 
 
-def test_ctrl_c_kills_the_implementation_process(tmp_path: Path) -> None:
-    """SIGINT to kvproof while an implementation hangs: kvproof ends and nothing is left running."""
+def _gone(marker: str, within: float = 10) -> bool:
+    deadline = time.monotonic() + within
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _marked(marker) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_killing_kvproof_kills_the_implementation_process(tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C (SIGINT) or SIGKILL to kvproof while an implementation hangs: nothing is left running."""
     marker = uuid.uuid4().hex
     args = [str(KVPROOF), "conform", "--component", "swa_allocator", "--impl", "isolation_impls:SwallowsBaseException",
             "--profile", "dev", "--op-timeout", "60", "--config", LABELS[0]]
@@ -137,14 +145,14 @@ def test_ctrl_c_kills_the_implementation_process(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert len(_marked(marker)) == 2
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
-    assert _marked(marker) == []
+    assert _gone(marker)
 
 
 # ---------------------------------------------------------------- through run_check
@@ -157,6 +165,12 @@ def test_run_check_sys_exit_is_a_verdict(isolation: str) -> None:
     assert "at step 1:\n  alloc_extend raised SystemExit(0): an implementation may not exit the process" in (
         report.failure or "")
     assert _children() == []
+
+
+def test_run_check_in_process_a_ctrl_c_is_not_a_verdict() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        run_check("swa_allocator", impls.RaisesKeyboardInterrupt, CONFIG, profile="dev", failures_dir=None,
+                  isolation="in-process")
 
 
 def test_run_check_crash_report_has_the_operations_and_a_replayable_vector() -> None:
