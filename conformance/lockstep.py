@@ -384,6 +384,8 @@ class Trace:
     def repeat(self, entries: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
         """Apply another trace's journal entries to this one."""
         for method, args in entries:
+            if method not in ("_op", "_outcome", "_next_step"):
+                raise HarnessBug(f"not a trace journal entry: {method!r}")
             getattr(self, method)(*args)
 
     def op(self, text: str, *, aside: str | None = None) -> None:

@@ -63,13 +63,13 @@ class SwallowsBaseException(SWATokenToKVPoolAllocator):
 
 
 class MemoryHog(SWATokenToKVPoolAllocator):
-    """An operation that allocates 16 MiB every 10 ms until it is stopped."""
+    """An operation that allocates 16 MiB every 50 ms until it is stopped."""
 
     def alloc_extend(self, *args, **kwargs):
         hoard = []
         while True:
             hoard.append(bytearray(16 << 20))  # zero-filled: the pages are touched
-            time.sleep(0.01)
+            time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- writes into the caller's tensors (obs. 6)
