@@ -19,6 +19,13 @@ failure found before the interrupt is on disk under ``.kvproof/failures/``).
 ``prove``, ``conform``, ``check`` and ``mutants`` take ``--json-report`` and ``--junit-xml``;
 the files are rewritten as the run goes (``status: running``) and finalised at the end.
 Long phases show live progress (``kvproof.cli.progress``); output honours ``COLUMNS``.
+
+Exit codes are kvproof's alone:
+``conform``, ``check``, ``mutants`` and ``replay`` run each config in a child process
+(:mod:`kvproof.conformance.isolation`), so an implementation that exits (``sys.exit(0)``,
+``os._exit(7)``), segfaults, hangs (its factory included, ``BaseException`` swallowed or not)
+or outgrows ``--memory-limit`` gets a verdict (exit 1) and the run goes on to the next
+config. ``--in-process`` runs in kvproof's own process: faster, not protected against those.
 """
 
 from __future__ import annotations
@@ -87,6 +94,28 @@ CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
                       help="Run only this config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
 COMPONENTS = click.option("--component", "components", multiple=True, type=COMPONENT_CHOICES,
                           help="Only this component; repeatable. Default: all (conform: those the --impl declare).")
+#: kvproof.conformance.isolation.DEFAULT_MEMORY_LIMIT_MB, not imported: ``kvproof --help`` does not import the harness
+MEMORY_LIMIT_MB = 8192
+
+
+def with_isolation(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--in-process`` and ``--memory-limit``, collected into ``isolation`` (keyword arguments of the runs)."""
+    command = click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0),
+                           default=MEMORY_LIMIT_MB, show_default=True, metavar="MIB",
+                           help="MiB the implementation's process may grow by before it is killed (a verdict); "
+                                "0: no limit. Process isolation only.")(command)
+    command = click.option("--in-process", "in_process", is_flag=True,
+                           help="Run implementations in kvproof's own process (faster; not protected against an "
+                                "implementation that exits, segfaults, hangs swallowing BaseException or exhausts "
+                                "memory). Default: one child process per config.")(command)
+
+    @functools.wraps(command)
+    def collected(**kwargs: Any) -> Any:
+        in_process, limit = kwargs.pop("in_process"), kwargs.pop("memory_limit")
+        kwargs["isolation"] = {"isolation": "in-process" if in_process else "process", "memory_limit_mb": limit}
+        return command(**kwargs)
+
+    return collected
 
 
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -182,14 +211,18 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
               help="Seconds (> 0) one implementation call may take before it counts as hung.")
 @click.option("--fresh", is_flag=True,
               help="Do not replay the failures saved under .kvproof/failures/ before generating.")
+@with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float, fresh: bool, suite_options: dict[str, str]) -> None:
+            junit_xml: str | None, op_timeout: float, fresh: bool, suite_options: dict[str, str],
+            isolation: dict[str, Any]) -> None:
     """Run the lockstep conformance suites, one row per component and pool config.
 
     Failures saved by earlier runs of the same test (.kvproof/failures/) are replayed first;
-    one that still fails is the verdict (--fresh skips them).
+    one that still fails is the verdict (--fresh skips them). Each config runs in a child
+    process (see --in-process). Exit codes: 0 pass, 1 a verdict (an implementation diverged,
+    exited, crashed, hung or outgrew --memory-limit), 2 bad input or a harness error, 130 Ctrl-C.
     """
     from kvproof.cli.conform import CLIEvents, conform_table, counts, print_reports
     from kvproof.conformance.plan import load_impls, plan, run_plan
@@ -205,7 +238,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     events = CLIEvents(console, json_report, junit_xml)
     try:
         outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout, events=events,
-                                  replay_saved=not fresh)
+                                  replay_saved=not fresh, **isolation)
     except _usage_errors() as err:
         _bad_input(console, err)
     except KeyboardInterrupt:  # between two tests (run_plan finalises the reports of one interrupted inside a test)
@@ -249,8 +282,13 @@ def _interrupted(console: Console, running: str | None) -> NoReturn:
 @COMPONENTS
 @JSON_REPORT
 @JUNIT_XML
-def check(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None) -> None:
-    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
+@with_isolation
+def check(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None,
+          isolation: dict[str, Any]) -> None:
+    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes.
+
+    Exit codes: 0 pass, 1 a verdict, 2 bad input or a harness error, 130 Ctrl-C.
+    """
     from kvproof.cli.conform import CLIEvents, conform_table, mutants_table, print_reports, run_mutants
     from kvproof.cli.progress import Progress
     from kvproof.cli.prove import print_failures, print_results
@@ -290,7 +328,8 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
         print_failures(console, results, show_counterexamples=False)
         events = CLIEvents(console, None, None, conform_progress)
         try:
-            outcomes, info = run_plan(plan(components), profile=profile, events=events, replay_saved=True)
+            outcomes, info = run_plan(plan(components), profile=profile, events=events, replay_saved=True,
+                                      **isolation)
         finally:
             events.progress.stop()
         reports = [o.report for o in outcomes if o.report is not None]
@@ -304,7 +343,7 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
             write("running")
 
         with Progress(console) as progress:
-            verdicts = run_mutants(profile, components, progress.update, mutants_progress)
+            verdicts = run_mutants(profile, components, progress.update, mutants_progress, **isolation)
     except KeyboardInterrupt:
         write("interrupted")
         _interrupted(console, None)
@@ -329,8 +368,13 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
 @COMPONENTS
 @JSON_REPORT
 @JUNIT_XML
-def mutants(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None) -> None:
-    """Test the tester: each component's suite must kill every deliberately broken runtime."""
+@with_isolation
+def mutants(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None,
+            isolation: dict[str, Any]) -> None:
+    """Test the tester: each component's suite must kill every deliberately broken runtime.
+
+    Exit codes: 0 every mutant killed, 1 one survived, 2 bad input or a harness error, 130 Ctrl-C.
+    """
     from kvproof.cli.conform import mutants_table, run_mutants
     from kvproof.cli.progress import Progress
     from kvproof.cli.reports import mutants_json, mutants_junit
@@ -348,7 +392,7 @@ def mutants(profile: str, components: tuple[str, ...], json_report: str | None, 
 
     try:
         with Progress(console) as progress:
-            verdicts = run_mutants(profile, components, progress.update, lambda v: write(v, "running"))
+            verdicts = run_mutants(profile, components, progress.update, lambda v: write(v, "running"), **isolation)
     except KeyboardInterrupt:
         write(list(so_far), "interrupted")
         _interrupted(console, None)
@@ -361,7 +405,10 @@ def mutants(profile: str, components: tuple[str, ...], json_report: str | None, 
 @click.argument("vector_file", metavar="VECTOR")
 @click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
               help="Implementation to replay on. Default: the one the vector was recorded on (its 'impl').")
-def replay(vector_file: str, impl_spec: str | None) -> None:
+@click.option("--op-timeout", type=float, default=60.0, show_default=True, callback=_positive_seconds,
+              help="Seconds (> 0) one implementation call may take before it counts as hung.")
+@with_isolation
+def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation: dict[str, Any]) -> None:
     """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
 
     Without --impl the vector's own implementation (its 'impl', a module:factory) is used; a
@@ -388,7 +435,7 @@ def replay(vector_file: str, impl_spec: str | None) -> None:
         if impl_spec is None:
             console.print(f"replaying on {spec} (the vector's implementation; --impl to choose another)",
                           markup=False, highlight=False)
-        result = replay_vector(vector, factory, impl_name=spec)
+        result = replay_vector(vector, factory, impl_name=spec, op_timeout=op_timeout, **isolation)
     except _usage_errors() as err:
         console.print(f"[red]cannot replay {vector_file}: {err}[/]", highlight=False)
         sys.exit(2)

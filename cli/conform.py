@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -71,10 +72,11 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
 
 def run_mutants(profile: str, components: Iterable[Component | str] = (),
                 progress: Callable[[str], None] | None = None,
-                done: Callable[[list[MutantVerdict]], None] | None = None) -> list[MutantVerdict]:
+                done: Callable[[list[MutantVerdict]], None] | None = None, **isolation: Any) -> list[MutantVerdict]:
     """Every selected component's runtime mutants (default: all components) against that component's suite.
 
-    ``progress`` hears the mutant under way, ``done`` the verdicts so far after each mutant.
+    ``progress`` hears the mutant under way, ``done`` the verdicts so far after each mutant;
+    ``isolation``: ``isolation`` / ``memory_limit_mb`` of ``kill_mutants``.
     """
     verdicts: list[MutantVerdict] = []
     for component in parse_components(components) or tuple(Component):
@@ -82,7 +84,7 @@ def run_mutants(profile: str, components: Iterable[Component | str] = (),
         for i, (name, factory) in enumerate(mutants.items(), 1):
             if progress is not None:
                 progress(f"mutants: {component.value} {i}/{len(mutants)}: {name} ({len(verdicts)} done)")
-            verdicts += kill_mutants({name: factory}, profile=profile, component=component)
+            verdicts += kill_mutants({name: factory}, profile=profile, component=component, **isolation)
             if done is not None:
                 done(verdicts)
     return verdicts

@@ -6,6 +6,8 @@ In the style of trio's ``check_*`` functions: the caller passes a factory
 :class:`~kvproof.conformance.errors.ConformanceFailure` when the report is not a pass.
 Every failure is also written to ``.kvproof/failures/`` with the operation trace,
 Hypothesis' falsifying program and a replayable vector, so nothing a run finds is lost.
+Each run is isolated in a child process by default (:mod:`kvproof.conformance.isolation`):
+an implementation that exits, crashes, hangs or exhausts memory gets a verdict there.
 
 The suites are found through the component registry (``kvproof.reference.registry``):
 each component's module ``kvproof.conformance.<component>`` exports ``SUITE``, a
@@ -22,6 +24,7 @@ import json
 import re
 import time
 import unittest
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +37,23 @@ from pydantic import BaseModel
 
 from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, RunInterrupted, UsageError
 from kvproof.conformance.generation import stable_generation
-from kvproof.conformance.lockstep import Binding, Lockstep, MisuseCase, RunStats
+from kvproof.conformance.isolation import (
+    DEFAULT_MEMORY_LIMIT_MB,
+    ISOLATION_MODES,
+    Crash,
+    fork_problem,
+    notify,
+    run_isolated,
+)
+from kvproof.conformance.lockstep import (
+    Binding,
+    Lockstep,
+    MisuseCase,
+    OperationTimeout,
+    RunStats,
+    call_implementation,
+    escape_message,
+)
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
@@ -190,10 +209,24 @@ def _replay_line(failure_file: str | None, impl_name: str) -> str:
     return f"\nreplay without Hypothesis: kvproof replay {vector} --impl {impl_name}"
 
 
+def _isolation(isolation: str) -> str:
+    if isolation not in ISOLATION_MODES:
+        raise UsageError(f"isolation={isolation!r}: choose one of {list(ISOLATION_MODES)}")
+    return isolation
+
+
+def _cannot_fork() -> bool:
+    problem = fork_problem()
+    if problem:
+        warnings.warn(f"implementation runs in kvproof's process (not isolated): {problem}", stacklevel=3)
+    return bool(problem)
+
+
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
               settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None, replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
               replay_saved: bool = False, progress: Callable[[int, bool], None] | None = None,
+              isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
               **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
@@ -205,7 +238,20 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     With ``replay_saved`` the failures saved there for this test are replayed first, and one that
     still fails is the verdict. ``progress(examples, shrinking)`` is called at every example.
     Ctrl-C raises :class:`RunInterrupted` carrying the report so far.
+
+    ``isolation="process"`` (the default) runs the whole run in a child process
+    (:mod:`kvproof.conformance.isolation`): an implementation that exits, crashes, hangs past
+    any alarm or grows the process by more than ``memory_limit_mb`` MiB (0: no limit) gets a
+    verdict naming the call and the step, never ends the caller. ``"in-process"`` is faster and
+    unprotected against those. The child's progress and its first verdict come back to this
+    process as they happen (``progress`` is called here, not in the child).
     """
+    # "child": this run is the one an isolated run's child process makes (its notes go to the parent)
+    if isolation != "child" and _isolation(isolation) == "process" and not _cannot_fork():
+        return _run_isolated(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
+                             replay=replay, failures_dir=failures_dir, op_timeout=op_timeout,
+                             replay_saved=replay_saved, progress=progress, memory_limit_mb=memory_limit_mb,
+                             **machine_options)
     suite = get_suite(component)
     name = suite.component.value
     impl_name = impl_name or factory_spec(factory)
@@ -213,13 +259,16 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     # advice (the stateful test it names is built inside run_state_machine_as_test: nobody can decorate it)
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)
     start = time.perf_counter()
-    try:
-        probe = factory(config)
+    try:  # under the per-call deadline, like every implementation call
+        probe = call_implementation("the factory", lambda: factory(config), op_timeout)
         caps = frozenset(probe.capabilities)
         declared_version = str(getattr(probe, "version", "") or "")
-    except Exception as err:  # noqa: BLE001 - a factory that cannot build is a verdict, not a crash
-        failure: str | None = (f"the factory could not build an implementation for {config.label()}: "
-                               f"{type(err).__name__}: {err}")
+    except (Exception, OperationTimeout, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - a verdict, not a crash
+        if isinstance(err, OperationTimeout):
+            why = f"it did not return within {op_timeout:g} s (hung)"
+        else:
+            why = escape_message("the factory", err) or f"{type(err).__name__}: {err}"
+        failure: str | None = f"the factory could not build an implementation for {config.label()}: {why}"
         return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, 0, 0, time.perf_counter() - start,
                            failure)
     stats = RunStats(digest=hashlib.sha256())
@@ -248,10 +297,13 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
             if store is not None:
                 store.write(FIRST_SEEN + text, {**make_vector(name, config, impl_name, machine_options, steps,
                                                               f"LockstepFailure: {text}"), "first_seen": True})
+            notify("first_seen", text, first[0][1], str(store.path) if store is not None and store.path else None)
 
     stats.on_verdict = first_seen
     if progress is not None:
         stats.on_example = lambda s: progress(s.examples, bool(first))
+    elif isolation == "child":  # the parent's progress callback is called there, by note
+        stats.on_example = lambda s: notify("progress", s.examples, bool(first))
     failure = None
     saved: str | None = None
     vector: dict[str, Any] | None = None
@@ -296,6 +348,67 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     return report()
 
 
+def _run_isolated(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
+                  progress: Callable[[int, bool], None] | None, memory_limit_mb: int, impl_name: str | None,
+                  replay: str, failures_dir: Path | None, op_timeout: float | None,
+                  **kwargs: Any) -> CheckReport:
+    """:func:`run_check` in a supervised child; its progress and first verdict come back as notes."""
+    start = time.perf_counter()
+    first: list[tuple[str, list[dict[str, Any]], str | None]] = []
+
+    def on_note(note: tuple[Any, ...]) -> None:
+        if note[0] == "progress" and progress is not None:
+            progress(note[1], note[2])
+        elif note[0] == "first_seen" and not first:
+            first.append((note[1], note[2], note[3]))
+
+    try:
+        outcome = run_isolated(
+            lambda: run_check(component, factory, config, impl_name=impl_name, replay=replay,
+                              failures_dir=failures_dir, op_timeout=op_timeout, isolation="child", **kwargs),
+            op_timeout=op_timeout, memory_limit_mb=memory_limit_mb, on_note=on_note)
+    except KeyboardInterrupt as err:  # the child is killed; what it had found is on disk and in `first`
+        suite = get_suite(component)
+        name, spec = suite.component.value, impl_name or factory_spec(factory)
+        failure = vector = None
+        if first:
+            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
+            vector = {**make_vector(name, config, spec, options, first[0][1], failure), "first_seen": True}
+        raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), {}, {}, 0, 0,
+                                         time.perf_counter() - start, failure, first[0][2] if first else None,
+                                         (), vector)) from err
+    if not isinstance(outcome, Crash):
+        return outcome
+    options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
+    return _crash_report(component, config, impl_name or factory_spec(factory), replay, failures_dir, options,
+                         outcome, time.perf_counter() - start)
+
+
+#: keyword arguments of run_check that are not machine options
+_RUN_OPTIONS = frozenset({"settings", "profile", "replay_saved"})
+
+
+def _crash_text(impl_name: str, label: str, crash: Crash, hint: str) -> str:
+    """A crash as a lockstep verdict: the call and the step, the operations so far, what the process printed last."""
+    lines = "\n".join(f"  | {line}" for line in crash.output.splitlines())
+    output = f"\n\nthe implementation process's last output:\n{lines}" if crash.output else ""
+    return (f"LockstepFailure: {impl_name} diverged from the reference [{label}] at step {crash.step}:\n"
+            f"  {crash.message}\n\noperations so far:\n{crash.trace.render()}{output}"
+            + (f"\n\n{hint}" if hint else ""))
+
+
+def _crash_report(component: Component | str, config: Any, impl_name: str, replay: str, failures_dir: Path | None,
+                  machine_options: Mapping[str, Any], crash: Crash, seconds: float) -> CheckReport:
+    """The report of a run whose process ended without one: the call, the step, the operations so far, a vector."""
+    name = get_suite(component).component.value
+    failure = _crash_text(impl_name, config.label(), crash, f"replay: {replay}" if replay else "")
+    vector = make_vector(name, config, impl_name, machine_options, crash.vector, failure)
+    saved = FailureFile(failures_dir, name, impl_name, config.label()).write(failure, vector) if failures_dir else None
+    return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, crash.step, crash.examples, seconds, failure,
+                       saved, (), vector)
+
+
 def make_vector(component: str, config: Any, impl_name: str, machine_options: Mapping[str, Any],
                 steps: list[dict[str, Any]], failure: str | None = None) -> dict[str, Any]:
     """A replayable vector: the suite, the config, the machine options and the steps (JSON-able)."""
@@ -308,14 +421,24 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
 
 
 def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str | None = None,
-                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_hint: str | None = None) -> ReplayResult:
+                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_hint: str | None = None,
+                  isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> ReplayResult:
     """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis.
 
-    ``replay_hint`` is the line a failure ends with (default: the ``kvproof replay`` command).
+    ``replay_hint`` is the line a failure ends with (default: the ``kvproof replay`` command);
+    ``isolation`` and ``memory_limit_mb`` as for :func:`run_check`.
     """
     suite = get_suite(str(vector["component"]))
     impl_name = impl_name or factory_spec(factory)
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
+    if _isolation(isolation) == "process" and not _cannot_fork():
+        outcome = run_isolated(lambda: replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                     replay_hint=replay_hint, isolation="in-process"),
+                               op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)
+        if not isinstance(outcome, Crash):
+            return outcome
+        failure = _crash_text(impl_name, config.label(), outcome, "")
+        return ReplayResult(suite.component.value, config.label(), max(len(outcome.vector) - 1, 0), failure)
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
     hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
@@ -334,10 +457,11 @@ def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs
 
 def check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
           settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None,
+          isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
           **machine_options: Any) -> CheckReport:
     """Like :func:`run_check` but raise :class:`ConformanceFailure` on a failure (pytest-free, trio style)."""
     report = run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
-                       **machine_options)
+                       isolation=isolation, memory_limit_mb=memory_limit_mb, **machine_options)
     if not report.passed:
         raise ConformanceFailure(failure_text(report))
     return report
@@ -402,6 +526,7 @@ def mutants_of(component: Component | str) -> dict[str, Callable[[Any], Any]]:
 
 def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any, ...] | None = None, *,
                  profile: str = "ci", shrink: bool = False, component: Component | str = Component.SWA_ALLOCATOR,
+                 isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
                  **machine_options: Any) -> list[MutantVerdict]:
     """Run the suite against each mutant, config by config, until one config catches it.
 
@@ -417,7 +542,8 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
         start, hit = time.perf_counter(), None
         for config in configs:
             report = run_check(component, factory, config, settings=settings, impl_name=f"mutant {name}",
-                               failures_dir=None, **machine_options)
+                               failures_dir=None, isolation=isolation, memory_limit_mb=memory_limit_mb,
+                               **machine_options)
             if not report.passed:
                 hit = report
                 break

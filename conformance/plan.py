@@ -30,6 +30,7 @@ from typing import Any, cast
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
 from kvproof.conformance.errors import ImplSpecError, RunInterrupted, UsageError
 from kvproof.conformance.generation import forced_seed
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, info, parse_components
@@ -184,13 +185,17 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
                 op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
-                progress: Callable[[int, bool], None] | None = None) -> Outcome:
-    """Run one planned test (not its skip: the caller decides) and classify the result."""
+                progress: Callable[[int, bool], None] | None = None, isolation: str = "process",
+                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> Outcome:
+    """Run one planned test (not its skip: the caller decides) and classify the result.
+
+    ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`.
+    """
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
                        replay=test.replay_command(profile, seed), op_timeout=op_timeout, replay_saved=replay_saved,
-                       progress=progress, **test.options)
+                       progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb, **test.options)
     status = "passed" if report.passed else "failed"
     if test.selected:  # an expected failure
         status = "xpassed" if report.passed else "xfailed"
@@ -218,7 +223,8 @@ class RunEvents:
 
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
              on_report: Callable[[CheckReport], None] | None = None, events: RunEvents | None = None,
-             replay_saved: bool = False) -> tuple[list[Outcome], RunInfo]:
+             replay_saved: bool = False, isolation: str = "process",
+             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> tuple[list[Outcome], RunInfo]:
     """Run every planned test under one seed; the outcomes and what every report states about the run.
 
     Ctrl-C ends the run: the interrupted test is an ``interrupted`` outcome (with the failure
@@ -247,7 +253,8 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
 
             try:
                 outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout,
-                                      replay_saved=replay_saved, progress=progress)
+                                      replay_saved=replay_saved, progress=progress, isolation=isolation,
+                                      memory_limit_mb=memory_limit_mb)
             except KeyboardInterrupt as err:
                 report = err.report if isinstance(err, RunInterrupted) else None
                 outcomes.append(Outcome(test.component.value, test.config.label(), "interrupted",

@@ -10,7 +10,9 @@ def test_bench_quick_reports_every_measure() -> None:
     numbers = run_bench(console, quick=True)
     assert set(numbers) == {"pairs_p1", "pairs_p4", "ref_pairs_p4", "steps_per_s", "overhead", "translate_hit_us",
                             "translate_miss_us", "host_backup_tokens_per_s", "host_backup_batched_vs_one",
-                            "host_backup_vs_reference", "watchdog_cost"}
+                            "host_backup_vs_reference", "watchdog_cost", "isolated_steps_per_s",
+                            "isolation_cost", "isolation_start_ms"}
     assert all(value > 0 for value in numbers.values())
     text = console.export_text()
+    assert "lockstep steps/s in-process / process-isolated" in text
     assert "harness overhead" in text and "hisparse_host backup: batched / one request per call" in text
