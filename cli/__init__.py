@@ -12,16 +12,32 @@ Every verb takes ``--component`` with the registry's choices (``kvproof.referenc
 and ``conform`` the options the suites declare (``--policy``). The verbs are presentation
 over the run planner (:mod:`kvproof.conformance.plan`) and the spec package. Exit codes:
 0 pass, 1 a verdict (a divergence, a failed obligation, a surviving mutant), 2 bad input
-or a harness error, with a message naming what was wrong.
+or a harness error, with a message naming what was wrong (the option, the value), 130 a run
+stopped by Ctrl-C (its reports are finalised with ``status: interrupted`` first, and a
+failure found before the interrupt is on disk under ``.kvproof/failures/``).
+
+``prove``, ``conform``, ``check`` and ``mutants`` take ``--json-report`` and ``--junit-xml``;
+the files are rewritten as the run goes (``status: running``) and finalised at the end.
+Long phases show live progress (``kvproof.cli.progress``); output honours ``COLUMNS``.
+
+Exit codes are kvproof's alone:
+``conform``, ``check``, ``mutants`` and ``replay`` run each config in a child process
+(:mod:`kvproof.conformance.isolation`), so an implementation that exits (``sys.exit(0)``,
+``os._exit(7)``), segfaults, hangs (its factory included, ``BaseException`` swallowed or not)
+or outgrows ``--memory-limit`` gets a verdict (exit 1) and the run goes on to the next
+config. ``--in-process`` runs in kvproof's own process: faster, not protected against those.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -37,10 +53,16 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch
 COMPONENT_CHOICES = click.Choice([c.value for c in Component])
 
 
+#: Ctrl-C: the run was stopped; its reports say ``interrupted`` (128 + SIGINT, the shell's convention)
+EXIT_INTERRUPTED = 130
+
+
 def _console() -> Console:
-    """A console that does not squeeze tables into 80 columns when writing to a log."""
+    """A console that honours ``COLUMNS``; written to a log without it, 150 columns rather than 80."""
     console = Console()
-    return console if console.is_terminal else Console(width=150)
+    if console.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+        return console
+    return Console(width=150)
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
@@ -49,11 +71,22 @@ def _usage_errors() -> tuple[type[Exception], ...]:
     return (HarnessError, ConfigError)
 
 
-def _bad_input(console: Console, err: Exception) -> None:
+def _bad_input(console: Console, err: Exception) -> NoReturn:
     console.print(f"[red]error: {err}[/]", highlight=False)
     sys.exit(2)
 
 
+def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value:g} is not a number of seconds > 0 (a call may take at most this long)",
+                                 ctx, param)
+    return value
+
+
+JSON_REPORT = click.option("--json-report", type=click.Path(dir_okay=False), default=None,
+                           help="Write a JSON report here (rewritten as the run goes; 'status' says if final).")
+JUNIT_XML = click.option("--junit-xml", type=click.Path(dir_okay=False), default=None,
+                         help="Write JUnit XML here (rewritten as the run goes).")
 PROFILE = click.option("--profile", default="ci", show_default=True,
                        type=click.Choice(["ci", "nightly", "dev", "smoke"]),
                        help="Hypothesis profile (kvproof.conformance.profiles).")
@@ -61,6 +94,28 @@ CONFIG = click.option("--config", "configs", multiple=True, metavar="LABEL",
                       help="Run only this config (e.g. P4-W6-F48-S24); repeatable. Default: all.")
 COMPONENTS = click.option("--component", "components", multiple=True, type=COMPONENT_CHOICES,
                           help="Only this component; repeatable. Default: all (conform: those the --impl declare).")
+#: kvproof.conformance.isolation.DEFAULT_MEMORY_LIMIT_MB, not imported: ``kvproof --help`` does not import the harness
+MEMORY_LIMIT_MB = 8192
+
+
+def with_isolation(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--in-process`` and ``--memory-limit``, collected into ``isolation`` (keyword arguments of the runs)."""
+    command = click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0),
+                           default=MEMORY_LIMIT_MB, show_default=True, metavar="MIB",
+                           help="MiB the implementation's process may grow by before it is killed (a verdict); "
+                                "0: no limit. Process isolation only.")(command)
+    command = click.option("--in-process", "in_process", is_flag=True,
+                           help="Run implementations in kvproof's own process (faster; not protected against an "
+                                "implementation that exits, segfaults, hangs swallowing BaseException or exhausts "
+                                "memory). Default: one child process per config.")(command)
+
+    @functools.wraps(command)
+    def collected(**kwargs: Any) -> Any:
+        in_process, limit = kwargs.pop("in_process"), kwargs.pop("memory_limit")
+        kwargs["isolation"] = {"isolation": "in-process" if in_process else "process", "memory_limit_mb": limit}
+        return command(**kwargs)
+
+    return collected
 
 
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,21 +143,52 @@ def main() -> None:
 @main.command()
 @COMPONENTS
 @click.option("-k", "name_filter", default=None, help="Only obligations whose name contains this text (or glob).")
-@click.option("--timeout-ms", default=20_000, show_default=True, help="Solver timeout per obligation.")
+@click.option("--timeout-ms", default=20_000, show_default=True, type=click.IntRange(min=1),
+              help="Solver timeout per obligation.")
 @click.option("--show-counterexamples", is_flag=True, help="Print the counterexample of every broken twin.")
-def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int, show_counterexamples: bool) -> None:
+@JSON_REPORT
+@JUNIT_XML
+def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int, show_counterexamples: bool,
+          json_report: str | None, junit_xml: str | None) -> None:
     """Discharge every Z3 obligation; broken twins must yield counterexamples."""
-    from kvproof.cli.prove import print_failures, prove_table
+    from kvproof.cli.progress import Progress
+    from kvproof.cli.prove import print_failures, print_results
     from kvproof.cli.prove import prove as run_prove
+    from kvproof.cli.reports import prove_json, prove_junit
+    from kvproof.conformance.report import write_document, write_junit_suites
 
     console = _console()
-    results = run_prove(components, name_filter, timeout_ms)
-    console.print(prove_table(results))
+    last = [0.0]
+
+    def write(results: list[Any], status: str) -> None:
+        if json_report:
+            write_document(json_report, {**prove_json(results, complete=status == "complete"), "status": status})
+        if junit_xml:
+            write_junit_suites(junit_xml, [prove_junit(results)])
+
+    results: list[Any] = []
+
+    def so_far(done: list[Any]) -> None:  # the reports are rewritten at most once a second while the run goes on
+        results[:] = done
+        if time.monotonic() - last[0] >= 1.0:
+            last[0] = time.monotonic()
+            write(results, "running")
+
+    try:
+        with Progress(console) as progress:
+            results = run_prove(components, name_filter, timeout_ms, progress=progress.update, done=so_far)
+    except _usage_errors() as err:
+        _bad_input(console, err)
+    except KeyboardInterrupt:
+        write(results, "interrupted")
+        _interrupted(console, f"prove ({len(results)} obligation(s) done)")
+    write(results, "complete")
+    print_results(console, results)
     print_failures(console, results, show_counterexamples=show_counterexamples)
     bad = [r for r in results if not r.ok]
     total = sum(r.seconds for r in results)
     console.print(f"{len(results)} obligations, {len(bad)} failed, {total:.2f} s solver time")
-    sys.exit(1 if bad or not results else 0)
+    sys.exit(1 if bad else 0)
 
 
 @main.command()
@@ -112,34 +198,55 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
 @PROFILE
 @CONFIG
 @COMPONENTS
-@click.option("--seed", type=int, default=None, help="Seed of a non-derandomized profile (default: chosen, reported).")
+@click.option("--seed", type=int, default=None,
+              help="Seed of a randomized profile (nightly, smoke; default: chosen and printed at the start). "
+                   "Refused with a derandomized profile (ci, dev).")
 @click.option("--skip-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'component/config  # reason' (globs allowed): not run, reported as skipped.")
 @click.option("--xfail-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'component/config  # reason': expected to fail; a pass fails the run (stale entry).")
-@click.option("--json-report", type=click.Path(dir_okay=False), default=None, help="Write a JSON report here.")
-@click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here.")
-@click.option("--op-timeout", type=float, default=60.0, show_default=True,
-              help="Seconds one implementation call may take before it counts as hung.")
+@JSON_REPORT
+@JUNIT_XML
+@click.option("--op-timeout", type=float, default=60.0, show_default=True, callback=_positive_seconds,
+              help="Seconds (> 0) one implementation call may take before it counts as hung.")
+@click.option("--fresh", is_flag=True,
+              help="Do not replay the failures saved under .kvproof/failures/ before generating.")
+@with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float, suite_options: dict[str, str]) -> None:
-    """Run the lockstep conformance suites, one row per component and pool config."""
-    from kvproof.cli.conform import conform_table, counts, print_reports
+            junit_xml: str | None, op_timeout: float, fresh: bool, suite_options: dict[str, str],
+            isolation: dict[str, Any]) -> None:
+    """Run the lockstep conformance suites, one row per component and pool config.
+
+    Failures saved by earlier runs of the same test (.kvproof/failures/) are replayed first;
+    one that still fails is the verdict (--fresh skips them). Each config runs in a child
+    process (see --in-process). Exit codes: 0 pass, 1 a verdict (an implementation diverged,
+    exited, crashed, hung or outgrew --memory-limit), 2 bad input or a harness error, 130 Ctrl-C.
+    """
+    from kvproof.cli.conform import CLIEvents, conform_table, counts, print_reports
     from kvproof.conformance.plan import load_impls, plan, run_plan
-    from kvproof.conformance.report import load_selection, write_json, write_junit
+    from kvproof.conformance.report import load_selection
 
     console = _console()
     try:
+        _refuse_seed(profile, seed)
         the_plan = plan(components, load_impls(impl_specs), configs, load_selection(skip_file, xfail_file),
                         suite_options)
     except _usage_errors() as err:
         _bad_input(console, err)
-    outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout,
-                              on_report=lambda r: _report_progress(console, r))
+    events = CLIEvents(console, json_report, junit_xml)
+    try:
+        outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout, events=events,
+                                  replay_saved=not fresh, **isolation)
+    except _usage_errors() as err:
+        _bad_input(console, err)
+    except KeyboardInterrupt:  # between two tests (run_plan finalises the reports of one interrupted inside a test)
+        _interrupted(console, None)
+    finally:
+        events.progress.stop()
     reports = [o.report for o in outcomes if o.report is not None]
-    console.print(conform_table(reports))
+    console.print(conform_table(reports, console.width))
     print_reports(console, reports)
     for o in outcomes:
         if o.status in ("skipped", "xfailed", "xpassed"):
@@ -147,38 +254,106 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
             console.print(f"[{style}]{o.component} {o.config}: {o.status} ({o.reason})[/]")
     for warning in info.warnings:
         console.print(f"[yellow]warning: {warning}[/]")
-    console.print(f"implementation {info.impl} ({info.impl_version}); seed {info.seed}; "
-                  + ", ".join(f"{n} {k}" for k, n in counts(outcomes).items()), markup=False, highlight=False)
-    if json_report:
-        write_json(json_report, outcomes, info)
-    if junit_xml:
-        write_junit(junit_xml, outcomes, info)
+    console.print(f"implementation {info.impl} ({info.impl_version}); seed {info.seed_text()}; "
+                  + ", ".join(f"{n} {k}" for k, n in counts(outcomes).items()), markup=False, highlight=False,
+                  soft_wrap=True)
+    if info.status == "interrupted":
+        _interrupted(console, info.running)
     sys.exit(0 if all(o.ok for o in outcomes) else 1)
+
+
+def _refuse_seed(profile: str, seed: int | None) -> None:
+    """``--seed`` with a derandomized profile would be ignored: a usage error instead."""
+    from kvproof.conformance.generation import forced_seed
+    from kvproof.conformance.profiles import get_profile
+
+    with forced_seed(seed, get_profile(profile).derandomize):
+        pass
+
+
+def _interrupted(console: Console, running: str | None) -> NoReturn:
+    console.print(f"[yellow]interrupted (Ctrl-C) during {running or 'the run'}: the reports say "
+                  "status 'interrupted'; failures found so far are saved under .kvproof/failures/[/]")
+    sys.exit(EXIT_INTERRUPTED)
 
 
 @main.command()
 @PROFILE
 @COMPONENTS
-def check(profile: str, components: tuple[str, ...]) -> None:
-    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes."""
-    from kvproof.cli.conform import conform_table, mutants_table, print_reports, run_mutants
-    from kvproof.cli.prove import print_failures, prove_table
+@JSON_REPORT
+@JUNIT_XML
+@with_isolation
+def check(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None,
+          isolation: dict[str, Any]) -> None:
+    """prove + conform of the built-in runtime + mutants; exit 0 only if everything passes.
+
+    Exit codes: 0 pass, 1 a verdict, 2 bad input or a harness error, 130 Ctrl-C.
+    """
+    from kvproof.cli.conform import CLIEvents, conform_table, mutants_table, print_reports, run_mutants
+    from kvproof.cli.progress import Progress
+    from kvproof.cli.prove import print_failures, print_results
     from kvproof.cli.prove import prove as run_prove
+    from kvproof.cli.reports import CHECK_FORMAT, mutants_json, mutants_junit, prove_json, prove_junit
     from kvproof.conformance.plan import plan, run_plan
+    from kvproof.conformance.report import conform_json, conform_junit, header, write_document, write_junit_suites
 
     console = _console()
-    results = run_prove(components)
-    console.print(prove_table(results))
-    print_failures(console, results, show_counterexamples=False)
-    outcomes, _ = run_plan(plan(components), profile=profile, on_report=lambda r: _report_progress(console, r))
-    reports = [o.report for o in outcomes if o.report is not None]
-    console.print(conform_table(reports))
-    print_reports(console, reports)
-    verdicts = run_mutants(profile, components)
-    console.print(mutants_table(verdicts))
+    parts: dict[str, Any] = {"prove": [], "conform": ([], None), "mutants": []}
+
+    def write(status: str) -> None:
+        docs = {"prove": prove_json(parts["prove"], complete=status == "complete"),
+                "mutants": mutants_json(parts["mutants"], complete=status == "complete")}
+        suites = [prove_junit(parts["prove"])]
+        outcomes, info = parts["conform"]
+        if info is not None:
+            docs["conform"] = conform_json(outcomes, info)
+            suites.append(conform_junit(outcomes, info))
+        suites.append(mutants_junit(parts["mutants"]))
+        if json_report:
+            write_document(json_report, {"format": CHECK_FORMAT, **header(), "status": status,
+                                         "complete": status == "complete", "profile": profile, **docs})
+        if junit_xml:
+            write_junit_suites(junit_xml, suites)
+
+    def conform_progress(outcomes: list[Any], info: Any) -> None:
+        parts["conform"] = (outcomes, info)
+        write("running")
+
+    try:
+        with Progress(console) as progress:
+            results = run_prove(components, progress=progress.update)
+        parts["prove"] = results
+        write("running")
+        print_results(console, results)
+        print_failures(console, results, show_counterexamples=False)
+        events = CLIEvents(console, None, None, conform_progress)
+        try:
+            outcomes, info = run_plan(plan(components), profile=profile, events=events, replay_saved=True,
+                                      **isolation)
+        finally:
+            events.progress.stop()
+        reports = [o.report for o in outcomes if o.report is not None]
+        console.print(conform_table(reports, console.width))
+        print_reports(console, reports)
+        if info.status == "interrupted":
+            write("interrupted")
+            _interrupted(console, info.running)
+        def mutants_progress(verdicts: list[Any]) -> None:
+            parts["mutants"] = list(verdicts)
+            write("running")
+
+        with Progress(console) as progress:
+            verdicts = run_mutants(profile, components, progress.update, mutants_progress, **isolation)
+    except KeyboardInterrupt:
+        write("interrupted")
+        _interrupted(console, None)
+    except _usage_errors() as err:
+        _bad_input(console, err)
+    write("complete")
+    console.print(mutants_table(verdicts, console.width))
     summary = Table(title="kvproof check")
     for col in ("part", "items", "passed", "verdict"):
-        summary.add_column(col)
+        summary.add_column(col, overflow="fold")
     rows = [("prove (obligations + broken twins)", len(results), sum(r.ok for r in results)),
             ("conform (components x pool configs)", len(reports), sum(r.passed for r in reports)),
             ("mutants killed (test the tester)", len(verdicts), sum(v.killed for v in verdicts))]
@@ -191,38 +366,78 @@ def check(profile: str, components: tuple[str, ...]) -> None:
 @main.command()
 @PROFILE
 @COMPONENTS
-def mutants(profile: str, components: tuple[str, ...]) -> None:
-    """Test the tester: each component's suite must kill every deliberately broken runtime."""
+@JSON_REPORT
+@JUNIT_XML
+@with_isolation
+def mutants(profile: str, components: tuple[str, ...], json_report: str | None, junit_xml: str | None,
+            isolation: dict[str, Any]) -> None:
+    """Test the tester: each component's suite must kill every deliberately broken runtime.
+
+    Exit codes: 0 every mutant killed, 1 one survived, 2 bad input or a harness error, 130 Ctrl-C.
+    """
     from kvproof.cli.conform import mutants_table, run_mutants
+    from kvproof.cli.progress import Progress
+    from kvproof.cli.reports import mutants_json, mutants_junit
+    from kvproof.conformance.report import write_document, write_junit_suites
 
     console = _console()
-    verdicts = run_mutants(profile, components)
-    console.print(mutants_table(verdicts))
+    so_far: list[Any] = []
+
+    def write(verdicts: list[Any], status: str) -> None:
+        so_far[:] = verdicts
+        if json_report:
+            write_document(json_report, {**mutants_json(verdicts, complete=status == "complete"), "status": status})
+        if junit_xml:
+            write_junit_suites(junit_xml, [mutants_junit(verdicts)])
+
+    try:
+        with Progress(console) as progress:
+            verdicts = run_mutants(profile, components, progress.update, lambda v: write(v, "running"), **isolation)
+    except KeyboardInterrupt:
+        write(list(so_far), "interrupted")
+        _interrupted(console, None)
+    write(verdicts, "complete")
+    console.print(mutants_table(verdicts, console.width))
     sys.exit(0 if verdicts and all(v.killed for v in verdicts) else 1)
 
 
 @main.command()
 @click.argument("vector_file", metavar="VECTOR")
 @click.option("--impl", "impl_spec", default=None, metavar="MODULE:FACTORY",
-              help="Implementation to replay on. Default: the component's torch runtime.")
-def replay(vector_file: str, impl_spec: str | None) -> None:
+              help="Implementation to replay on. Default: the one the vector was recorded on (its 'impl').")
+@click.option("--op-timeout", type=float, default=60.0, show_default=True, callback=_positive_seconds,
+              help="Seconds (> 0) one implementation call may take before it counts as hung.")
+@with_isolation
+def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation: dict[str, Any]) -> None:
     """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
 
-    Exit 0 if every step and check passes on the implementation, 1 if it fails, 2 if the
-    vector cannot be replayed (malformed, or a step's rule does not apply).
+    Without --impl the vector's own implementation (its 'impl', a module:factory) is used; a
+    vector recorded through the Python API under another name needs --impl. Exit 0 if every
+    step and check passes on the implementation, 1 if it fails, 2 if the vector cannot be
+    replayed (missing, malformed, no implementation to replay on, or a step's rule does not apply).
     """
     from kvproof.conformance.check import replay_vector
+    from kvproof.conformance.errors import UsageError
     from kvproof.conformance.plan import load_factory
     from kvproof.conformance.vector import load_vector
-    from kvproof.reference.registry import info
 
     console = _console()
     try:
+        if not os.path.exists(vector_file) and not vector_file.lstrip().startswith("{"):
+            raise UsageError(f"VECTOR {vector_file!r}: no such file")
         vector = load_vector(vector_file)
-        spec = impl_spec or info(str(vector["component"])).default_impl
-        result = replay_vector(vector, load_factory(spec), impl_name=spec)
+        recorded = str(vector.get("impl", ""))
+        if impl_spec is None and ":" not in recorded:
+            raise UsageError(f"the vector was recorded on {recorded!r}, not a 'module:factory'; name the "
+                             "implementation to replay on with --impl MODULE:FACTORY")
+        spec = impl_spec or recorded
+        factory = load_factory(spec)
+        if impl_spec is None:
+            console.print(f"replaying on {spec} (the vector's implementation; --impl to choose another)",
+                          markup=False, highlight=False)
+        result = replay_vector(vector, factory, impl_name=spec, op_timeout=op_timeout, **isolation)
     except _usage_errors() as err:
-        console.print(f"[red]cannot replay {vector_file}: {err}[/]")
+        console.print(f"[red]cannot replay {vector_file}: {err}[/]", highlight=False)
         sys.exit(2)
     where = f"{result.component} {result.config}, {len(vector['steps'])} recorded step(s)"
     if result.passed:
@@ -241,9 +456,3 @@ def bench(components: tuple[str, ...], quick: bool) -> None:
     from kvproof.cli.bench import run_bench
 
     run_bench(_console(), quick=quick, components=components)
-
-
-def _report_progress(console: Console, report: Any) -> None:
-    verdict = "pass" if report.passed else "FAIL"
-    console.print(f"  {report.component} {report.config.label()}: {verdict} "
-                  f"({report.examples} examples, {report.steps} steps, {report.seconds:.1f} s)")

@@ -11,6 +11,9 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   where a bare op is half of an alloc_extend+free pair at page size 4; and the price
   of the per-operation timeout (steps/s calling the implementation directly vs under
   the deadline);
+* the price of isolation (:mod:`kvproof.conformance.isolation`): lockstep steps/s in
+  kvproof's process vs each config in a supervised child (the default), and the start
+  cost of one child (fork, pipe, result, reap; paid once per config);
 * ``loc_cache``: the cost of ``translate_loc_from_full_to_swa`` on a cache hit and on a
   miss (invalidate + gather), for 64 and 4096 slots;
 * with SGLang installed (``make sglang``): ``alloc``/``alloc_extend`` + ``free`` ops/s of
@@ -95,22 +98,35 @@ def reference_pairs_per_second(page_size: int, pairs: int) -> float:
     return pairs / (time.perf_counter() - start)
 
 
-def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> tuple[float, int]:
+def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+                              isolation: str = "in-process") -> tuple[float, int]:
     """Checked lockstep steps per second against the runtime, over all conformance configs.
 
     ``op_timeout=None`` calls the implementation directly (no watchdog thread): the
-    difference is the price of the per-operation timeout.
+    difference is the price of the per-operation timeout. ``isolation="process"`` runs each
+    config in a supervised child: the difference is the price of isolation (its start included).
     """
     profile = settings(get_profile("ci"), max_examples=examples)
     steps, seconds = 0, 0.0
     for cfg in CONFORMANCE_CONFIGS:
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
-                                         failures_dir=None, op_timeout=op_timeout)
+                                         failures_dir=None, op_timeout=op_timeout, isolation=isolation)
         if not report.passed:
             raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
         seconds += report.seconds
     return steps / seconds, steps
+
+
+def isolation_start_ms(repeat: int) -> float:
+    """Milliseconds to start a supervised child, hand back a small result and reap it (once per config)."""
+    from kvproof.conformance.isolation import run_isolated
+
+    run_isolated(lambda: 0, op_timeout=None)  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeat):
+        run_isolated(lambda: 0, op_timeout=None)
+    return (time.perf_counter() - start) / repeat * 1e3
 
 
 def translate_cost_us(numel: int, calls: int) -> tuple[float, float]:
@@ -339,6 +355,8 @@ def _swa_allocator(quick: bool) -> Section:
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
     steps_per_s, steps = lockstep_steps_per_second(examples)
     direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
+    isolated_steps_per_s, _ = lockstep_steps_per_second(examples, isolation="process")
+    start_ms = isolation_start_ms(5 if quick else 20)
     overhead = (1.0 / steps_per_s) / (1.0 / (2 * p4))  # one lockstep step / one bare op (half an extend+free pair)
     out = Section(rows={
         "runtime alloc_extend+free pairs/s, P=1": f"{p1:,.0f}",
@@ -348,8 +366,12 @@ def _swa_allocator(quick: bool) -> Section:
         f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
         "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
+        "lockstep steps/s process-isolated (one child per config)": f"{isolated_steps_per_s:,.0f}",
+        "lockstep steps/s in-process / process-isolated": f"{steps_per_s / isolated_steps_per_s:.2f}x",
+        "isolation start per config: fork + result + reap (ms)": f"{start_ms:.1f}",
     }, values={"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
-               "watchdog_cost": direct_steps_per_s / steps_per_s})
+               "watchdog_cost": direct_steps_per_s / steps_per_s, "isolated_steps_per_s": isolated_steps_per_s,
+               "isolation_cost": steps_per_s / isolated_steps_per_s, "isolation_start_ms": start_ms})
     note = _sglang_rows(out.rows, quick)
     if note:
         out.notes.append(note)

@@ -2,26 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvproof.cli.progress import Progress
 from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, mutants_of
-from kvproof.conformance.report import Outcome
+from kvproof.conformance.plan import PlannedTest, RunEvents
+from kvproof.conformance.report import Outcome, RunInfo, write_json, write_junit
 from kvproof.reference.registry import Component, parse_components
 
-__all__ = ["conform_table", "counts", "mutants_table", "print_reports", "run_mutants"]
+__all__ = ["CLIEvents", "conform_table", "counts", "mutants_table", "print_reports", "run_mutants"]
 
 
-def conform_table(reports: list[CheckReport]) -> Table:
-    table = Table(title="kvproof conform")
-    for col in ("component", "config", "verdict", "examples", "steps", "ok", "OutOfMemory", "InvalidOperation", "n/a",
-                "seconds"):
-        table.add_column(col, justify="left" if col in ("component", "config", "verdict") else "right")
+def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
+    """One row per report; identifiers keep their full width, never cut with "…" (below 120 columns the
+    table is compact: no borders, two-line headers)."""
+    compact = width < 120
+    table = (Table(title="kvproof conform", box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+             if compact else Table(title="kvproof conform"))
+    longest = {"component": max((len(r.component) for r in reports), default=0),
+               "config": max((len(r.config.label()) for r in reports), default=0)}
+    for col in ("component", "config", "verdict", "examples", "steps", "calls", "ok", "OutOfMemory",
+                "InvalidOperation", "n/a", "seconds"):
+        text = col in ("component", "config", "verdict")
+        header = {"OutOfMemory": "OutOf\nMemory", "InvalidOperation": "Invalid\nOperation"}.get(col, col)
+        table.add_column(header if compact else col, justify="left" if text else "right", overflow="fold",
+                         min_width=longest.get(col))
     for r in reports:
         verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
-        table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps),
+        table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(sum(r.calls.values())),
                       str(r.outcomes.get("ok", 0)), str(r.outcomes.get("OutOfMemory", 0)),
                       str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), f"{r.seconds:.1f}")
     return table
@@ -51,25 +64,92 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
             console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
             if r.failure_file:
-                console.print(f"(saved to {r.failure_file})")
+                console.print(f"(saved to {r.failure_file})", markup=False, highlight=False, soft_wrap=True)
                 vector = r.failure_file.rsplit(".", 1)[0] + ".json"
                 console.print(f"replay without Hypothesis: kvproof replay {vector} --impl {r.impl_name}",
                               markup=False, highlight=False, soft_wrap=True)
 
 
-def run_mutants(profile: str, components: Iterable[Component | str] = ()) -> list[MutantVerdict]:
-    """Every selected component's runtime mutants (default: all components) against that component's suite."""
-    verdicts = []
+def run_mutants(profile: str, components: Iterable[Component | str] = (),
+                progress: Callable[[str], None] | None = None,
+                done: Callable[[list[MutantVerdict]], None] | None = None, **isolation: Any) -> list[MutantVerdict]:
+    """Every selected component's runtime mutants (default: all components) against that component's suite.
+
+    ``progress`` hears the mutant under way, ``done`` the verdicts so far after each mutant;
+    ``isolation``: ``isolation`` / ``memory_limit_mb`` of ``kill_mutants``.
+    """
+    verdicts: list[MutantVerdict] = []
     for component in parse_components(components) or tuple(Component):
-        verdicts += kill_mutants(mutants_of(component), profile=profile, component=component)
+        mutants = mutants_of(component)
+        for i, (name, factory) in enumerate(mutants.items(), 1):
+            if progress is not None:
+                progress(f"mutants: {component.value} {i}/{len(mutants)}: {name} ({len(verdicts)} done)")
+            verdicts += kill_mutants({name: factory}, profile=profile, component=component, **isolation)
+            if done is not None:
+                done(verdicts)
     return verdicts
 
 
-def mutants_table(verdicts: list[MutantVerdict]) -> Table:
-    table = Table(title="kvproof mutants (runtime variants that must be killed)")
+def mutants_table(verdicts: list[MutantVerdict], width: int = 150) -> Table:
+    """One row per mutant; names whole (below 120 columns compact: no borders), the evidence folds."""
+    title = "kvproof mutants (runtime variants that must be killed)"
+    table = (Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, pad_edge=False)
+             if width < 120 else Table(title=title))
+    longest = {"component": max((len(v.component) for v in verdicts), default=0),
+               "mutant": max((len(v.name) for v in verdicts), default=0),
+               "caught on": max((len(v.config or "-") for v in verdicts), default=0)}
     for col in ("component", "mutant", "verdict", "caught on", "seconds", "what diverged"):
-        table.add_column(col, justify="right" if col == "seconds" else "left", overflow="fold")
+        table.add_column(col, justify="right" if col == "seconds" else "left", overflow="fold",
+                         no_wrap=col == "seconds", min_width=longest.get(col))  # identifiers whole
     for v in verdicts:
         mark = "[green]killed[/]" if v.killed else "[red]SURVIVED[/]"
         table.add_row(v.component, v.name, mark, v.config or "-", f"{v.seconds:.1f}", v.evidence[:100])
     return table
+
+
+class CLIEvents(RunEvents):
+    """The CLI's ear on a run (kvproof.conformance.plan.RunEvents): seed at the start, progress, reports."""
+
+    def __init__(self, console: Console, json_report: str | None, junit_xml: str | None,
+                 extra: Callable[[list[Outcome], RunInfo], None] | None = None) -> None:
+        self.console, self.json_report, self.junit_xml, self.extra = console, json_report, junit_xml, extra
+        self.progress = Progress(console)
+        self.test = ""
+
+    def started(self, info: RunInfo) -> None:
+        self.progress.stop()
+        seed = (f"seed {info.seed} (replay this run: --seed {info.seed})" if info.seed is not None
+                else "seed derandomized (derived from each test's name)")
+        self.console.print(f"kvproof conform: {len(info.pending)} test(s), implementation {info.impl}, "
+                           f"profile {info.profile}, {seed}", markup=False, highlight=False, soft_wrap=True)
+        self.progressed([], info)
+
+    def test_started(self, test: PlannedTest) -> None:
+        self.test = test.test_id
+        self.progress.update(f"conform {self.test}: starting")
+
+    def example(self, test: PlannedTest, examples: int, shrinking: bool) -> None:
+        what = "failure found, shrinking…" if shrinking else "generating"
+        self.progress.update(f"conform {test.test_id}: example {examples}, {what}")
+
+    def progressed(self, outcomes: list[Outcome], info: RunInfo) -> None:
+        if outcomes and info.status == "running" and info.running is None:  # a test just finished
+            self.progress.stop()
+            _report_progress(self.console, outcomes[-1])
+        if self.json_report:
+            write_json(self.json_report, outcomes, info)
+        if self.junit_xml:
+            write_junit(self.junit_xml, outcomes, info)
+        if self.extra is not None:
+            self.extra(outcomes, info)
+
+
+def _report_progress(console: Console, outcome: Outcome) -> None:
+    """One line per finished test (an outcome of kvproof.conformance.report)."""
+    report = outcome.report
+    if report is None:  # skipped: listed below the table
+        return
+    verdict = "pass" if report.passed else "FAIL"
+    console.print(f"  {report.component} {report.config.label()}: {verdict} "
+                  f"({report.examples} examples, {report.steps} steps, {report.seconds:.1f} s)",
+                  markup=False, highlight=False)

@@ -3,7 +3,7 @@
 Each config is an :class:`~kvproof.reference.admission.AdmissionSetup`: an SWA pool (``W``,
 ``P``, pages, chunk size) and the tree the server has cached, with prompts sharing prefixes,
 device SWA nodes, host tombstones shorter than, equal to and much longer than the window,
-and nodes with neither (a window walk stops there). The run option ``--policy`` picks the
+and nodes with neither (a window walk stops there). The run option ``--budget`` picks the
 prefill adder's budget (``pre_27391``, ``upstream_27391``, ``upstream_0523``, ``corrected``).
 
 The machine plays the scheduler: requests arrive at a best-match node with a prompt that
@@ -331,4 +331,4 @@ def _policy(value: str) -> dict[str, Any]:
     return {"policy": AdmissionPolicy(value).value}
 
 
-SUITE = Suite(AdmissionMachine, ADMISSION_CONFIGS, apply={"policy": _policy})
+SUITE = Suite(AdmissionMachine, ADMISSION_CONFIGS, apply={"budget": _policy})

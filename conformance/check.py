@@ -6,6 +6,8 @@ In the style of trio's ``check_*`` functions: the caller passes a factory
 :class:`~kvproof.conformance.errors.ConformanceFailure` when the report is not a pass.
 Every failure is also written to ``.kvproof/failures/`` with the operation trace,
 Hypothesis' falsifying program and a replayable vector, so nothing a run finds is lost.
+Each run is isolated in a child process by default (:mod:`kvproof.conformance.isolation`):
+an implementation that exits, crashes, hangs or exhausts memory gets a verdict there.
 
 The suites are found through the component registry (``kvproof.reference.registry``):
 each component's module ``kvproof.conformance.<component>`` exports ``SUITE``, a
@@ -15,7 +17,6 @@ rule's capability needs and misuse cases) and its default configs.
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import hashlib
 import importlib
@@ -23,26 +24,47 @@ import json
 import re
 import time
 import unittest
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from hypothesis import settings as Settings  # noqa: N812 - the class, next to a `settings` argument
+from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from pydantic import BaseModel
 
-from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, UsageError
+from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, RunInterrupted, UsageError
 from kvproof.conformance.generation import stable_generation
-from kvproof.conformance.lockstep import Binding, Lockstep, MisuseCase, RunStats
+from kvproof.conformance.isolation import (
+    DEFAULT_MEMORY_LIMIT_MB,
+    ISOLATION_MODES,
+    Crash,
+    fork_problem,
+    notify,
+    run_isolated,
+)
+from kvproof.conformance.lockstep import (
+    Binding,
+    Lockstep,
+    MisuseCase,
+    OperationTimeout,
+    RunStats,
+    call_implementation,
+    escape_message,
+)
 from kvproof.conformance.profiles import get_profile
+from kvproof.conformance.report import diagnosis
+from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
 __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
-           "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "get_suite", "kill_mutants",
-           "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check", "run_swa_allocator_check"]
+           "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "factory_spec", "failure_text", "get_suite",
+           "kill_mutants", "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check",
+           "run_swa_allocator_check"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
@@ -145,21 +167,6 @@ class CheckReport:
         return self.failure is None
 
 
-def _save_failure(text: str, component: str, impl_name: str, config: Any, directory: Path,
-                  vector: dict[str, Any] | None = None) -> str | None:
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", impl_name)[:60]
-    path = directory / f"{component}-{safe}-{config.label()}-{stamp}.txt"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if vector is not None:
-            path.with_suffix(".json").write_text(json.dumps(vector, indent=1))
-    except OSError:
-        return None
-    return str(path)
-
-
 class _MachineFactory:
     """Builds one machine per example from the run's binding.
 
@@ -176,56 +183,230 @@ class _MachineFactory:
         return self.suite.machine(self.binding)
 
 
+def factory_spec(factory: Any) -> str:
+    """``module:qualname`` of a factory, the ``--impl`` that names it; a local (non-importable) one says so."""
+    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
+    if not module or not qualname:
+        return repr(factory)
+    spec = f"{module}:{qualname}"
+    try:
+        target: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        target = None
+    return spec if target is factory else f"{module}.{qualname} (not importable: replay it with replay_vector)"
+
+
+def _replay_line(failure_file: str | None, impl_name: str) -> str:
+    """How to replay a saved failure without Hypothesis (the CLI if the implementation is importable)."""
+    if not failure_file:
+        return ""
+    vector = str(Path(failure_file).with_suffix(".json"))
+    if " " in impl_name or ":" not in impl_name:
+        return (f"\nreplay without Hypothesis: kvproof.conformance.check.replay_vector(json.load(open({vector!r})), "
+                "factory)")
+    return f"\nreplay without Hypothesis: kvproof replay {vector} --impl {impl_name}"
+
+
+def _isolation(isolation: str) -> str:
+    if isolation not in ISOLATION_MODES:
+        raise UsageError(f"isolation={isolation!r}: choose one of {list(ISOLATION_MODES)}")
+    return isolation
+
+
+def _cannot_fork() -> bool:
+    problem = fork_problem()
+    if problem:
+        warnings.warn(f"implementation runs in kvproof's process (not isolated): {problem}", stacklevel=3)
+    return bool(problem)
+
+
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-              settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl", replay: str = "",
+              settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None, replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+              replay_saved: bool = False, progress: Callable[[int, bool], None] | None = None,
+              isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
               **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
     ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).
     ``op_timeout`` bounds every call into the implementation (a hung call is a verdict; ``None``
     calls directly). A failure carries a replayable vector (:mod:`kvproof.conformance.vector`) of
-    the shrunk failing example; with ``failures_dir`` both are saved there.
+    the shrunk failing example; with ``failures_dir`` both are saved there the moment the failure
+    is first seen and replaced by the shrunk one at the end (:mod:`kvproof.conformance.saved`).
+    With ``replay_saved`` the failures saved there for this test are replayed first, and one that
+    still fails is the verdict. ``progress(examples, shrinking)`` is called at every example.
+    Ctrl-C raises :class:`RunInterrupted` carrying the report so far.
+
+    ``isolation="process"`` (the default) runs the whole run in a child process
+    (:mod:`kvproof.conformance.isolation`): an implementation that exits, crashes, hangs past
+    any alarm or grows the process by more than ``memory_limit_mb`` MiB (0: no limit) gets a
+    verdict naming the call and the step, never ends the caller. ``"in-process"`` is faster and
+    unprotected against those. The child's progress and its first verdict come back to this
+    process as they happen (``progress`` is called here, not in the child).
     """
+    # "child": this run is the one an isolated run's child process makes (its notes go to the parent)
+    if isolation != "child" and _isolation(isolation) == "process" and not _cannot_fork():
+        return _run_isolated(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
+                             replay=replay, failures_dir=failures_dir, op_timeout=op_timeout,
+                             replay_saved=replay_saved, progress=progress, memory_limit_mb=memory_limit_mb,
+                             **machine_options)
     suite = get_suite(component)
     name = suite.component.value
-    # one failure per run, the shrunk one: its vector is the one the report carries
-    settings = Settings(settings or get_profile(profile), report_multiple_bugs=False)
+    impl_name = impl_name or factory_spec(factory)
+    # one failure per run, the shrunk one: its vector is the one the report carries; no @reproduce_failure
+    # advice (the stateful test it names is built inside run_state_machine_as_test: nobody can decorate it)
+    settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)
     start = time.perf_counter()
-    try:
-        probe = factory(config)
+    try:  # under the per-call deadline, like every implementation call
+        probe = call_implementation("the factory", lambda: factory(config), op_timeout)
         caps = frozenset(probe.capabilities)
         declared_version = str(getattr(probe, "version", "") or "")
-    except Exception as err:  # noqa: BLE001 - a factory that cannot build is a verdict, not a crash
-        failure: str | None = (f"the factory could not build an implementation for {config.label()}: "
-                               f"{type(err).__name__}: {err}")
+    except (Exception, OperationTimeout, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - a verdict, not a crash
+        if isinstance(err, OperationTimeout):
+            why = f"it did not return within {op_timeout:g} s (hung)"
+        else:
+            why = escape_message("the factory", err) or f"{type(err).__name__}: {err}"
+        failure: str | None = f"the factory could not build an implementation for {config.label()}: {why}"
         return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, 0, 0, time.perf_counter() - start,
                            failure)
     stats = RunStats(digest=hashlib.sha256())
     binding = Binding(factory, config, machine_options, impl_name, f"replay: {replay}" if replay else "", op_timeout,
                       stats)
-    failure, saved, vector = None, None, None
+    na = suite.machine.not_applicable(caps, config)
+    store = FailureFile(failures_dir, name, impl_name, config.label()) if failures_dir is not None else None
+    if replay_saved and failures_dir is not None:
+        hit = first_failing(failures_dir, name, impl_name, config,
+                            make_vector(name, config, impl_name, machine_options, [])["machine_options"],
+                            lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                    replay_hint=binding.replay_hint or None))
+        if hit is not None:
+            path, saved_vector, result = hit
+            vector_file = str(Path(path).with_suffix(".json"))
+            failure = (f"{result.failure}\n\n(found by replaying {vector_file}, a failure saved by an earlier run, "
+                       f"before generating: kvproof replay {vector_file} --impl {impl_name}; --fresh ignores saved "
+                       "failures)")
+            return CheckReport(name, impl_name, config, caps, na, {}, {}, result.steps, 0,
+                               time.perf_counter() - start, failure, path, (), saved_vector, declared_version)
+    first: list[tuple[str, list[dict[str, Any]]]] = []  # the first verdict of the run and its steps
+
+    def first_seen(text: str, steps: list[dict[str, Any]]) -> None:
+        if not first:
+            first.append((text, json.loads(json.dumps(steps))))
+            if store is not None:
+                store.write(FIRST_SEEN + text, {**make_vector(name, config, impl_name, machine_options, steps,
+                                                              f"LockstepFailure: {text}"), "first_seen": True})
+            notify("first_seen", text, first[0][1], str(store.path) if store is not None and store.path else None)
+
+    stats.on_verdict = first_seen
+    if progress is not None:
+        stats.on_example = lambda s: progress(s.examples, bool(first))
+    elif isolation == "child":  # the parent's progress callback is called there, by note
+        stats.on_example = lambda s: notify("progress", s.examples, bool(first))
+    failure = None
+    saved: str | None = None
+    vector: dict[str, Any] | None = None
+
+    def report() -> CheckReport:
+        ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
+        never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
+        return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
+                           stats.examples, time.perf_counter() - start, failure, saved, never, vector,
+                           declared_version, stats.digest.hexdigest(), dict(stats.calls))
+
     try:
         with stable_generation():
             # any zero-argument callable returning a machine is a factory (Hypothesis' docs); its stub says a class
             run_state_machine_as_test(cast(Any, _MachineFactory(suite, binding)), settings=settings)
     except HarnessBug:
         raise
+    except KeyboardInterrupt as err:  # stopped by the user: the first-seen failure (if any) is on disk already
+        if first:
+            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            saved = str(store.path) if store is not None and store.path is not None else None
+            vector = {**make_vector(name, config, impl_name, machine_options, first[0][1], failure),
+                      "first_seen": True}
+        raise RunInterrupted(report()) from err
     except Exception as err:  # noqa: BLE001 - the verdict is data here
-        notes = "\n".join(getattr(err, "__notes__", []))
+        notes = "\n".join(n for n in getattr(err, "__notes__", []) if "reproduce_failure" not in n)
         failure = f"{type(err).__name__}: {err}\n{notes}".rstrip()
         steps = stats.last_vector
         if stats.hung:  # Hypothesis' own verdict after a hang is noise (flaky re-runs): report the hang
             failure, steps = f"LockstepFailure: {stats.hung}", stats.hung_vector
+        elif isinstance(err, Flaky) and first:  # a verdict that did not recur: report it, say it is intermittent
+            failure = (f"LockstepFailure: {first[0][0]}\n\n(intermittent: the failure did not recur when "
+                       f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
+            steps = first[0][1]
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
-        if failures_dir is not None:
-            saved = _save_failure(failure, name, impl_name, config, failures_dir, vector)
-    na = suite.machine.not_applicable(caps, config)
-    ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
-    never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
-    return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
-                       stats.examples, time.perf_counter() - start, failure, saved, never, vector, declared_version,
-                       stats.digest.hexdigest(), dict(stats.calls))
+        if store is not None:
+            saved = store.write(failure, vector)
+    else:
+        if first and store is not None and store.path is not None:  # seen once, then never again: say so
+            saved = store.write(f"seen once, but the run passed (Hypothesis could not reproduce it):\n\n"
+                                f"{first[0][0]}", None)
+    return report()
+
+
+def _run_isolated(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
+                  progress: Callable[[int, bool], None] | None, memory_limit_mb: int, impl_name: str | None,
+                  replay: str, failures_dir: Path | None, op_timeout: float | None,
+                  **kwargs: Any) -> CheckReport:
+    """:func:`run_check` in a supervised child; its progress and first verdict come back as notes."""
+    start = time.perf_counter()
+    first: list[tuple[str, list[dict[str, Any]], str | None]] = []
+
+    def on_note(note: tuple[Any, ...]) -> None:
+        if note[0] == "progress" and progress is not None:
+            progress(note[1], note[2])
+        elif note[0] == "first_seen" and not first:
+            first.append((note[1], note[2], note[3]))
+
+    try:
+        outcome = run_isolated(
+            lambda: run_check(component, factory, config, impl_name=impl_name, replay=replay,
+                              failures_dir=failures_dir, op_timeout=op_timeout, isolation="child", **kwargs),
+            op_timeout=op_timeout, memory_limit_mb=memory_limit_mb, on_note=on_note)
+    except KeyboardInterrupt as err:  # the child is killed; what it had found is on disk and in `first`
+        suite = get_suite(component)
+        name, spec = suite.component.value, impl_name or factory_spec(factory)
+        failure = vector = None
+        if first:
+            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
+            vector = {**make_vector(name, config, spec, options, first[0][1], failure), "first_seen": True}
+        raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), {}, {}, 0, 0,
+                                         time.perf_counter() - start, failure, first[0][2] if first else None,
+                                         (), vector)) from err
+    if not isinstance(outcome, Crash):
+        return outcome
+    options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
+    return _crash_report(component, config, impl_name or factory_spec(factory), replay, failures_dir, options,
+                         outcome, time.perf_counter() - start)
+
+
+#: keyword arguments of run_check that are not machine options
+_RUN_OPTIONS = frozenset({"settings", "profile", "replay_saved"})
+
+
+def _crash_text(impl_name: str, label: str, crash: Crash, hint: str) -> str:
+    """A crash as a lockstep verdict: the call and the step, the operations so far, what the process printed last."""
+    lines = "\n".join(f"  | {line}" for line in crash.output.splitlines())
+    output = f"\n\nthe implementation process's last output:\n{lines}" if crash.output else ""
+    return (f"LockstepFailure: {impl_name} diverged from the reference [{label}] at step {crash.step}:\n"
+            f"  {crash.message}\n\noperations so far:\n{crash.trace.render()}{output}"
+            + (f"\n\n{hint}" if hint else ""))
+
+
+def _crash_report(component: Component | str, config: Any, impl_name: str, replay: str, failures_dir: Path | None,
+                  machine_options: Mapping[str, Any], crash: Crash, seconds: float) -> CheckReport:
+    """The report of a run whose process ended without one: the call, the step, the operations so far, a vector."""
+    name = get_suite(component).component.value
+    failure = _crash_text(impl_name, config.label(), crash, f"replay: {replay}" if replay else "")
+    vector = make_vector(name, config, impl_name, machine_options, crash.vector, failure)
+    saved = FailureFile(failures_dir, name, impl_name, config.label()).write(failure, vector) if failures_dir else None
+    return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, crash.step, crash.examples, seconds, failure,
+                       saved, (), vector)
 
 
 def make_vector(component: str, config: Any, impl_name: str, machine_options: Mapping[str, Any],
@@ -239,15 +420,29 @@ def make_vector(component: str, config: Any, impl_name: str, machine_options: Ma
             "verdict": first[1].strip() if len(first) > 1 else (first[0] if first else "")}
 
 
-def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str = "impl",
-                  op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> ReplayResult:
-    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis."""
+def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str | None = None,
+                  op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_hint: str | None = None,
+                  isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> ReplayResult:
+    """Replay a vector (from :func:`make_vector` or a report) on ``factory``'s implementation, without Hypothesis.
+
+    ``replay_hint`` is the line a failure ends with (default: the ``kvproof replay`` command);
+    ``isolation`` and ``memory_limit_mb`` as for :func:`run_check`.
+    """
     suite = get_suite(str(vector["component"]))
+    impl_name = impl_name or factory_spec(factory)
     config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
+    if _isolation(isolation) == "process" and not _cannot_fork():
+        outcome = run_isolated(lambda: replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                                     replay_hint=replay_hint, isolation="in-process"),
+                               op_timeout=op_timeout, memory_limit_mb=memory_limit_mb)
+        if not isinstance(outcome, Crash):
+            return outcome
+        failure = _crash_text(impl_name, config.label(), outcome, "")
+        return ReplayResult(suite.component.value, config.label(), max(len(outcome.vector) - 1, 0), failure)
     options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
                for k, v in vector.get("machine_options", {}).items()}
-    binding = Binding(factory, config, options, impl_name, f"replay: kvproof replay VECTOR --impl {impl_name}",
-                      op_timeout, RunStats())
+    hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
+    binding = Binding(factory, config, options, impl_name, hint, op_timeout, RunStats())
     try:
         machine = suite.machine(binding)
     except LockstepFailure as err:
@@ -261,15 +456,22 @@ def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs
 
 
 def check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-          settings: Settings | None = None, profile: str = "ci", impl_name: str = "impl",
+          settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None,
+          isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
           **machine_options: Any) -> CheckReport:
     """Like :func:`run_check` but raise :class:`ConformanceFailure` on a failure (pytest-free, trio style)."""
     report = run_check(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
-                       **machine_options)
+                       isolation=isolation, memory_limit_mb=memory_limit_mb, **machine_options)
     if not report.passed:
-        where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
-        raise ConformanceFailure(f"{impl_name} [{report.component} {config.label()}]: {report.failure}{where}")
+        raise ConformanceFailure(failure_text(report))
     return report
+
+
+def failure_text(report: CheckReport) -> str:
+    """A failed report as a test failure: who, where, the verdict, where it was saved and how to replay it."""
+    where = f"\n(saved to {report.failure_file})" if report.failure_file else ""
+    return (f"{report.impl_name} [{report.component}/{report.config.label()}]: {report.failure}{where}"
+            f"{_replay_line(report.failure_file, report.impl_name)}")
 
 
 def check_swa_allocator(factory: Callable[[Any], Any], config: Any, **kwargs: Any) -> CheckReport:
@@ -288,7 +490,8 @@ def check_hisparse_host(factory: Callable[[Any], Any], config: Any, **kwargs: An
 
 
 def make_test_case(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-                   profile: str = "ci", impl_name: str = "impl", **machine_options: Any) -> type[unittest.TestCase]:
+                   profile: str = "ci", impl_name: str | None = None,
+                   **machine_options: Any) -> type[unittest.TestCase]:
     """A ``unittest.TestCase`` class with one test, the suite on ``config`` (collected by pytest and unittest)."""
     def test_conforms(self: unittest.TestCase) -> None:
         check(component, factory, config, profile=profile, impl_name=impl_name, **machine_options)
@@ -323,6 +526,7 @@ def mutants_of(component: Component | str) -> dict[str, Callable[[Any], Any]]:
 
 def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any, ...] | None = None, *,
                  profile: str = "ci", shrink: bool = False, component: Component | str = Component.SWA_ALLOCATOR,
+                 isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
                  **machine_options: Any) -> list[MutantVerdict]:
     """Run the suite against each mutant, config by config, until one config catches it.
 
@@ -338,7 +542,8 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
         start, hit = time.perf_counter(), None
         for config in configs:
             report = run_check(component, factory, config, settings=settings, impl_name=f"mutant {name}",
-                               failures_dir=None, **machine_options)
+                               failures_dir=None, isolation=isolation, memory_limit_mb=memory_limit_mb,
+                               **machine_options)
             if not report.passed:
                 hit = report
                 break
@@ -349,8 +554,5 @@ def kill_mutants(mutants: Mapping[str, Callable[[Any], Any]], configs: tuple[Any
 
 
 def _evidence(failure: str | None) -> str:
-    """The line that says what diverged (the one after the lockstep header), or the first line."""
-    if failure is None:
-        return "survived every config"
-    lines = [line.strip() for line in failure.splitlines() if line.strip()]
-    return lines[1] if len(lines) > 1 and lines[0].startswith("LockstepFailure") else lines[0]
+    """The line that says what diverged (:func:`kvproof.conformance.report.diagnosis`)."""
+    return "survived every config" if failure is None else diagnosis(failure)

@@ -65,6 +65,11 @@ class _PageMap:
         self.forward[ref_page] = impl_page
         self.backward[impl_page] = ref_page
 
+    def forget(self, still_allocated: set[int]) -> None:
+        """Drop the bindings of pages the reference released (no check: see :meth:`Renaming.released`)."""
+        for ref_page in [g for g in self.forward if g not in still_allocated]:
+            del self.backward[self.forward.pop(ref_page)]
+
     def prune(self, still_allocated: set[int], impl_free: set[int]) -> None:
         """Forget pages the reference released; their partners must be free in the implementation."""
         for ref_page in [g for g in self.forward if g not in still_allocated]:
@@ -111,6 +116,15 @@ class Renaming:
         if impl_page == 0:
             _diverge(f"{why}: the implementation handed out a slot of the reserved page 0")
         self.full.bind(ref_page, impl_page, why)
+
+    def released(self, state: ref.SWAAllocatorState) -> None:
+        """Forget the bindings of the pages ``state`` (the reference right after a release, in the middle of a
+        step) has free. For a step that releases pages and then allocates again: the reference may hand a page
+        it just took back to the next owner, an implementation another one (a binding lasts as long as its
+        owner, not a step). Whether the partners were released too is checked at the end of the step, as
+        always: the free page counts and the pages still bound must agree then."""
+        self.full.forget(_allocated(state.full.owner))
+        self.swa.forget(_allocated(state.swa.owner))
 
     def compare(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
         """Raise :class:`Divergence` unless ``snap`` equals ``state`` under the renaming."""

@@ -141,6 +141,8 @@ class DecodePreallocMachine(SWALockstep):
             self.copies[call.rid] = out[1]
         elif call.result:
             self._bind(call, out[1])
+        elif call.op in ("free", "free_swa") and call.after is not None:
+            self.names.released(call.after)  # a later call of this step may hand the released pages out again
 
     def _bind(self, call: dp.AllocatorCall, got: Any) -> None:
         try:

@@ -23,6 +23,7 @@ __all__ = [
     "HarnessError",
     "ImplSpecError",
     "LockstepFailure",
+    "RunInterrupted",
     "UsageError",
     "VectorError",
     "Verdict",
@@ -59,3 +60,11 @@ class VectorError(UsageError):
 
 class HarnessBug(HarnessError):
     """The harness generated a call the reference rejects, or a suite is declared inconsistently: a kvproof bug."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: still a ``KeyboardInterrupt``, carrying what the run had found (``report``)."""
+
+    def __init__(self, report: object) -> None:
+        super().__init__("interrupted")
+        self.report = report  # a kvproof.conformance.check.CheckReport: the first-seen failure, if any

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import hypothesis
 import hypothesis.core
 
-from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.errors import HarnessBug, UsageError
 
 __all__ = ["forced_seed", "stable_generation"]
 
@@ -68,10 +68,18 @@ def stable_generation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def forced_seed(seed: int | None, derandomized: bool) -> Iterator[int | str]:
-    """Force Hypothesis' seed for non-derandomized runs (choosing one if none is given); yield what to report."""
+def forced_seed(seed: int | None, derandomized: bool) -> Iterator[int | None]:
+    """Force Hypothesis' seed for non-derandomized runs (choosing one if none is given); yield it.
+
+    Derandomized runs yield ``None``: each test's seed derives from its name, and a given
+    ``seed`` is refused (:class:`UsageError`), never silently ignored.
+    """
     if derandomized:
-        yield "derandomized (derived from each test)"
+        if seed is not None:
+            raise UsageError(f"--seed {seed}: the profile is derandomized (each test's seed derives from its name, "
+                             "so there is no run seed to set); use a randomized profile (nightly, smoke) to seed "
+                             "a run")
+        yield None
         return
     if not hasattr(hypothesis.core, "global_force_seed"):
         raise HarnessBug(f"hypothesis {hypothesis.__version__} has no global_force_seed; cannot seed the run")

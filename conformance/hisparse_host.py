@@ -244,6 +244,9 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
         self.trace.next_step()
 
     def _compare_data(self, snap: hh.HostPoolSnapshot, mine: hh.HostPoolSnapshot) -> None:
+        """Host data of every row position the request wrote: ``hh.alloc`` forgets the data of every slot it
+        hands out (whole pages), so what an earlier owner left is never compared, whatever page an
+        implementation reuses (issue 11, observation 1)."""
         where, want = [], []
         for r, row in enumerate(self.ref.rows):
             for j, slot in enumerate(row):

@@ -42,18 +42,20 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, NoReturn, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvproof.conformance.custody import Custody
 from kvproof.conformance.errors import HarnessBug, LockstepFailure
-from kvproof.reference.contract import Capability
+from kvproof.reference.contract import CALLER_OWNED_RESULTS, Capability
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.registry import Component
 
-__all__ = ["Binding", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout", "RunStats", "Trace",
-           "check_after_each_step", "index_problem", "misuse", "operation", "scenario"]
+__all__ = ["Binding", "CallMonitor", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout",
+           "RunStats", "Trace", "call_implementation", "check_after_each_step", "escape_message", "index_problem",
+           "misuse", "operation", "scenario", "set_monitor"]
 
 ConfigT = TypeVar("ConfigT")
 ImplT = TypeVar("ImplT")
@@ -250,6 +252,52 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
         raise
 
 
+def escape_message(what: str, err: BaseException) -> str | None:
+    """The verdict on a ``BaseException`` an implementation call raised that is not an ``Exception`` (``sys.exit``
+    inside an operation): ``None`` for kvproof's own (``OperationTimeout``), a real Ctrl-C and Hypothesis' control flow.
+    """
+    if isinstance(err, Exception | OperationTimeout | KeyboardInterrupt):
+        return None
+    if type(err).__module__.split(".")[0] == "hypothesis":
+        return None
+    return f"{what} raised {err!r}: an implementation may not exit the process"
+
+
+class CallMonitor(Protocol):
+    """Told about every implementation call (set in the implementation's process, kvproof.conformance.isolation)."""
+
+    def example(self, machine: Lockstep[Any, Any]) -> None:
+        """A new example (test case) starts on ``machine``."""
+
+    def enter(self, what: str, machine: Lockstep[Any, Any] | None) -> None:
+        """An implementation call (``what``: the method, "the factory", "snapshot()") begins."""
+
+    def leave(self) -> None:
+        """The call begun last returned (or raised)."""
+
+
+_monitor: CallMonitor | None = None
+
+
+def set_monitor(monitor: CallMonitor | None) -> None:
+    """Report every implementation call of this process to ``monitor`` (``None``: to nobody)."""
+    global _monitor
+    _monitor = monitor
+
+
+def call_implementation(what: str, fn: Callable[[], Any], timeout: float | None,
+                        machine: Lockstep[Any, Any] | None = None) -> Any:
+    """``fn()`` under the deadline (:func:`call_with_timeout`), reported to the monitor if one is set."""
+    monitor = _monitor
+    if monitor is None:
+        return call_with_timeout(fn, timeout)
+    monitor.enter(what, machine)
+    try:
+        return call_with_timeout(fn, timeout)
+    finally:
+        monitor.leave()
+
+
 class Watched:
     """An implementation (or the KV pool it returns) as rules see it.
 
@@ -273,7 +321,21 @@ class Watched:
         def watched(*args: Any, **kwargs: Any) -> Any:
             args = tuple(unwrap(a) for a in args)
             kwargs = {k: unwrap(v) for k, v in kwargs.items()}
-            result = machine._deadline(name, lambda: value(*args, **kwargs))
+            custody = machine.custody
+            inputs = custody.before(args, kwargs)
+            try:
+                result = machine._deadline(name, lambda: value(*args, **kwargs))
+            except LockstepFailure:
+                raise
+            except Exception:
+                problem = custody.after(name, value, inputs)
+                if problem:
+                    machine.fail(problem)
+                raise
+            problem = custody.after(name, value, inputs, len(machine.trace) if name in CALLER_OWNED_RESULTS else 0,
+                                    result, returned=True)
+            if problem:
+                machine.fail(problem)
             return Watched(result, machine) if name in SERVICES else result
 
         return watched
@@ -313,20 +375,44 @@ def index_problem(value: Any, n: int, device: Any) -> str | None:
 class Trace:
     """The operations of one test case, grouped by state-machine step (a rule and what it did)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, journal: bool = False) -> None:
         self.steps: list[list[str]] = [[]]
         self._heads: list[int | None] = [None]
+        #: with ``journal``, every call below as ``(method, args)``, for a copy in another process to repeat
+        self.journal: list[tuple[str, tuple[Any, ...]]] | None = [] if journal else None
+
+    def repeat(self, entries: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+        """Apply another trace's journal entries to this one."""
+        for method, args in entries:
+            if method not in ("_op", "_outcome", "_next_step"):
+                raise HarnessBug(f"not a trace journal entry: {method!r}")
+            getattr(self, method)(*args)
 
     def op(self, text: str, *, aside: str | None = None) -> None:
         """Record an operation; an ``aside`` (e.g. a harness read around the step's operation) is annotated."""
+        if self.journal is not None:
+            self.journal.append(("_op", (text, aside)))
+        self._op(text, aside)
+
+    def _op(self, text: str, aside: str | None) -> None:
         if aside is None and self._heads[-1] is None:
             self._heads[-1] = len(self.steps[-1])
         self.steps[-1].append(f"{text}" if aside is None else f"({aside}) {text}")
 
     def outcome(self, text: str) -> None:
+        if self.journal is not None:
+            self.journal.append(("_outcome", (text,)))
+        self._outcome(text)
+
+    def _outcome(self, text: str) -> None:
         self.steps[-1][-1] += text
 
     def next_step(self) -> None:
+        if self.journal is not None:
+            self.journal.append(("_next_step", ()))
+        self._next_step()
+
+    def _next_step(self) -> None:
         if self.steps[-1]:
             self.steps.append([])
             self._heads.append(None)
@@ -358,6 +444,11 @@ class RunStats:
     hung: str = ""  # the verdict of a call that timed out (later examples stop at once)
     hung_vector: list[dict[str, Any]] = field(default_factory=list)
     digest: Any = None  # hashlib object over every example's steps (the run's fingerprint)
+    #: called with (verdict, the example's steps) at every verdict ``Lockstep.fail`` raises: ``run_check``
+    #: saves the first one at once, before Hypothesis shrinks it (nothing is lost if the run is killed)
+    on_verdict: Callable[[str, list[dict[str, Any]]], None] | None = None
+    #: called at the start of every example (live progress: examples so far, "shrinking…")
+    on_example: Callable[[RunStats], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -424,12 +515,23 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         self.stats = binding.stats
         if self.stats.hung:  # an earlier example hung: never call the implementation again in this run
             raise LockstepFailure(self.stats.hung)
-        self.trace = Trace()
+        self.trace = Trace(journal=_monitor is not None)
         self.last_op = ""
         self.vector: list[dict[str, Any]] = []  # the steps so far, replayable (kvproof.conformance.vector)
+        self.custody = Custody()  # the caller's tensors: inputs and returned indices (kvproof.conformance.custody)
         self.stats.examples += 1
         self.stats.last_vector = self.vector
-        built = self._deadline("the factory", lambda: binding.factory(binding.config))
+        if self.stats.on_example is not None:
+            self.stats.on_example(self.stats)
+        if _monitor is not None:
+            _monitor.example(self)
+        try:
+            built = self._deadline("the factory", lambda: binding.factory(binding.config))
+        except LockstepFailure:
+            raise
+        except Exception as err:  # noqa: BLE001 - a factory that fails here (run_check's probe passed) is a verdict
+            self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (building the "
+                      f"implementation of example {self.stats.examples})")
         self.caps: frozenset[Capability] = frozenset(built.capabilities)
         self.impl: Any = Watched(built, self)
 
@@ -513,8 +615,11 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
                 f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.binding.replay_hint}")
 
     def fail(self, message: str) -> NoReturn:
-        """A verdict: raise :class:`LockstepFailure` with the full explanation."""
-        raise LockstepFailure(self.verdict(message))
+        """A verdict: raise :class:`LockstepFailure` with the full explanation (first told to ``stats.on_verdict``)."""
+        text = self.verdict(message)
+        if self.stats.on_verdict is not None:
+            self.stats.on_verdict(text, self.vector)
+        raise LockstepFailure(text)
 
     # ------------------------------------------------------------ one operation on both sides
 
@@ -574,13 +679,19 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     # ------------------------------------------------------------ observing the implementation
 
     def _deadline(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` under the per-operation timeout; a timeout is a verdict naming ``what`` and the step."""
+        """``fn()`` under the per-operation timeout; a timeout is a verdict naming ``what`` and the step, and so is
+        a ``BaseException`` that is not an ``Exception`` (``SystemExit``: an implementation may not exit)."""
         try:
-            return call_with_timeout(fn, self.op_timeout)
+            return call_implementation(what, fn, self.op_timeout, self)
         except OperationTimeout:
             message = self.verdict(f"{what} did not return within {self.op_timeout:g} s (hung); the run stops here")
             self.stats.hung, self.stats.hung_vector = message, list(self.vector)
             raise LockstepFailure(message) from None
+        except BaseException as err:
+            escaped = escape_message(what, err)
+            if escaped is None:
+                raise
+            raise LockstepFailure(self.verdict(escaped)) from None
 
     def observe(self, what: str, fn: Callable[[], Any]) -> Any:
         """An observation of the implementation (``snapshot()``, sizes): any exception is a verdict."""

@@ -21,19 +21,22 @@ this module. A run is planned from
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
-from kvproof.conformance.errors import ImplSpecError, UsageError
+from kvproof.conformance.errors import ImplSpecError, RunInterrupted, UsageError
 from kvproof.conformance.generation import forced_seed
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, info, parse_components
 
-__all__ = ["Impl", "Plan", "PlannedTest", "declared_components", "load_factory", "load_impls", "plan", "run_plan",
-           "run_planned"]
+__all__ = ["Impl", "Plan", "PlannedTest", "RunEvents", "declared_components", "load_factory", "load_impls", "plan",
+           "run_plan", "run_planned"]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -42,9 +45,12 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ImplSpecError(f"--impl must look like 'package.module:factory', got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as err:
-        raise ImplSpecError(f"--impl {spec!r}: cannot import {module_name!r}: {err}") from err
+        raise ImplSpecError(f"--impl {spec!r}: cannot import {module_name!r}: {err} (kvproof imports it with the "
+                            f"current directory {os.getcwd()} on sys.path, as `python -m` does; run from the "
+                            "directory that contains the package, add its parent to PYTHONPATH, or pip install "
+                            "it)") from err
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -53,6 +59,23 @@ def load_factory(spec: str) -> Callable[..., Any]:
     if not callable(target):
         raise ImplSpecError(f"--impl {spec!r}: {attr!r} is not callable")
     return target
+
+
+def _import(module_name: str) -> Any:
+    """Import ``module_name``; if its top-level package is not found, again with the working directory on sys.path.
+
+    ``python -m`` puts the working directory first on ``sys.path``; the ``kvproof`` console
+    script and ``pytest --pyargs`` do not, so an adapter next to the user (``mypkg/adapter.py``)
+    would not be found. It is appended, not prepended: an installed package of the same name wins.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        cwd = os.getcwd()
+        if err.name != module_name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
 
 
 def declared_components(factory: Any) -> tuple[Component, ...] | None:
@@ -111,7 +134,7 @@ class PlannedTest:
     def test_id(self) -> str:
         return f"{self.component.value}/{self.config.label()}"
 
-    def replay_command(self, profile: str, seed: int | str) -> str:
+    def replay_command(self, profile: str, seed: int | None) -> str:
         extra = "".join(f" --{name} {value}" for name, value in self.option_args.items())
         return (f"kvproof conform --component {self.component.value} --impl {self.impl.spec} "
                 f"--config {self.config.label()} --profile {profile}{extra}"
@@ -153,16 +176,26 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
                 continue
             test_id = f"{suite.component.value}/{cfg.label()}"
             tests.append(PlannedTest(suite.component, cfg, impl, options, option_args, selection.match(test_id)))
-    return Plan(tuple(tests), tuple(impls), tuple(selection.unmatched()))
+    undeclared = [] if parse_components(components) else [
+        f"{impl.spec} declares no `components`, so it runs every suite ({', '.join(c.value for c in wanted)}); "
+        "declare the ones it implements, e.g. components = frozenset({Component.SWA_ALLOCATOR})"
+        for impl in impls if impl.serves is None]
+    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()))
 
 
-def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomized",
-                op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> Outcome:
-    """Run one planned test (not its skip: the caller decides) and classify the result."""
+def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
+                op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
+                progress: Callable[[int, bool], None] | None = None, isolation: str = "process",
+                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> Outcome:
+    """Run one planned test (not its skip: the caller decides) and classify the result.
+
+    ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`.
+    """
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
-                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, **test.options)
+                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, replay_saved=replay_saved,
+                       progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb, **test.options)
     status = "passed" if report.passed else "failed"
     if test.selected:  # an expected failure
         status = "xpassed" if report.passed else "xfailed"
@@ -170,19 +203,74 @@ def run_planned(test: PlannedTest, *, profile: str, seed: int | str = "derandomi
                    report)
 
 
+class RunEvents:
+    """What a front end hears while a plan runs (all no-ops here; the CLI prints, reports, shows progress)."""
+
+    def started(self, info: RunInfo) -> None:
+        """Before the first test: the seed is known."""
+
+    def test_started(self, test: PlannedTest) -> None:
+        """A test begins."""
+
+    def example(self, test: PlannedTest, examples: int, shrinking: bool) -> None:
+        """An example of ``test`` begins (``shrinking``: a failure was found and is being shrunk)."""
+
+    def progressed(self, outcomes: list[Outcome], info: RunInfo) -> None:
+        """Before and after every test (``info.status == "running"``; ``info.running`` names the test under way,
+        ``None`` after one finished) and once at the end (``complete`` / ``interrupted`` / ``aborted``): what
+        to write to incremental reports."""
+
+
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-             on_report: Callable[[CheckReport], None] | None = None) -> tuple[list[Outcome], RunInfo]:
-    """Run every planned test under one seed; the outcomes and what every report states about the run."""
+             on_report: Callable[[CheckReport], None] | None = None, events: RunEvents | None = None,
+             replay_saved: bool = False, isolation: str = "process",
+             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> tuple[list[Outcome], RunInfo]:
+    """Run every planned test under one seed; the outcomes and what every report states about the run.
+
+    Ctrl-C ends the run: the interrupted test is an ``interrupted`` outcome (with the failure
+    it had found, if any) and the returned info's status is ``interrupted``. Any other
+    exception out of a test tells ``events`` the run was ``aborted`` and propagates.
+    A ``--seed`` with a derandomized profile is a :class:`UsageError`.
+    """
+    events = events or RunEvents()
     outcomes: list[Outcome] = []
     versions: set[str] = set()
-    with forced_seed(seed, get_profile(profile).derandomize) as used_seed:
-        for test in the_plan.tests:
-            outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout)
+    derandomized = get_profile(profile).derandomize
+    ids = [t.test_id for t in the_plan.tests]
+
+    def state(status: str, running: str | None = None, done: int = 0) -> RunInfo:
+        return RunInfo(the_plan.impl_names(), "; ".join(sorted(versions)) or "unknown", used_seed, profile,
+                       the_plan.warnings, derandomized, status, running, tuple(ids[done + (running is not None):]))
+
+    with forced_seed(seed, derandomized) as used_seed:
+        events.started(state("running", None, 0))
+        for i, test in enumerate(the_plan.tests):
+            events.test_started(test)
+            events.progressed(outcomes, state("running", test.test_id, i))
+
+            def progress(examples: int, shrinking: bool, test: PlannedTest = test) -> None:
+                events.example(test, examples, shrinking)
+
+            try:
+                outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout,
+                                      replay_saved=replay_saved, progress=progress, isolation=isolation,
+                                      memory_limit_mb=memory_limit_mb)
+            except KeyboardInterrupt as err:
+                report = err.report if isinstance(err, RunInterrupted) else None
+                outcomes.append(Outcome(test.component.value, test.config.label(), "interrupted",
+                                        "interrupted (Ctrl-C)", cast(CheckReport | None, report)))
+                info_ = state("interrupted", test.test_id, i)
+                events.progressed(outcomes, info_)
+                return outcomes, info_
+            except BaseException:
+                events.progressed(outcomes, state("aborted", test.test_id, i))
+                raise
             outcomes.append(outcome)
             if outcome.report is not None:
                 versions.add(outcome.report.impl_version or impl_version(None, test.impl.factory))
                 if on_report:
                     on_report(outcome.report)
-    info_ = RunInfo(the_plan.impl_names(), "; ".join(sorted(versions)) or "unknown", used_seed, profile,
-                    the_plan.warnings)
+            events.progressed(outcomes, state("running", None, i + 1))
+        info_ = state("complete", None, len(ids))
+    events.progressed(outcomes, info_)
     return outcomes, info_

@@ -3,11 +3,20 @@
 They are registered under those names and always passed explicitly, never picked
 up implicitly: Hypothesis activates its own built-in ``ci`` profile whenever the
 ``CI`` environment variable is set, and CI runs here with ``CI=true``. kvproof's
-``ci`` is derandomized (the same command finds the same failures), keeps no
-example database and prints the reproduction blob; ``nightly`` is randomized,
-longer, and keeps every failing example in ``.kvproof/hypothesis`` so nothing
-found is lost between runs. ``dev`` is a short derandomized run; ``smoke`` a short
-randomized one (its seed is chosen and reported, ``--seed`` replays it).
+``ci`` is derandomized (the same command finds the same failures) and keeps no
+Hypothesis database; ``nightly`` is randomized and longer. Nothing a run finds is
+lost between runs whatever the profile: kvproof's own example database is the
+failure vectors saved under ``.kvproof/failures/`` (written when a failure is first
+seen), which ``kvproof conform`` replays first in later runs of the same test
+(:mod:`kvproof.conformance.saved`). Hypothesis' database cannot serve: it is off
+whenever the seed is forced (``--seed``, and every randomized CLI run) or the
+profile is derandomized. ``nightly`` still names ``.kvproof/hypothesis`` for
+Hypothesis used directly (a test of your own under this profile, no forced seed).
+``kvproof.conformance.check.run_check`` turns ``print_blob`` off: the
+``@reproduce_failure`` advice names a test built inside the stateful runner, which
+nobody can decorate; the seed and the replay command reproduce a failure instead.
+``dev`` is a short derandomized run; ``smoke`` a short randomized one (its seed is
+chosen and printed at the start, ``--seed`` replays it).
 
 Each profile derives from Hypothesis' pristine ``default`` profile, not from whatever
 profile the process had loaded when kvproof was imported, so a user's conftest or the

@@ -61,19 +61,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _plan(config: pytest.Config) -> Plan:
+    from kvproof.conformance.errors import HarnessError, UsageError
     from kvproof.conformance.plan import load_impls, plan
     from kvproof.conformance.profiles import get_profile
     from kvproof.conformance.report import load_selection
+    from kvproof.reference.errors import ConfigError
 
     if _PLAN not in config.stash:
         opt = config.getoption
         specs = list(opt("kvproof_impl") or os.environ.get("KVPROOF_IMPL", "").split())
         selection = load_selection(opt("kvproof_skip_file"), opt("kvproof_xfail_file"))
         chosen = {o.name: str(opt(f"kvproof_{o.name}")) for o in options()}
-        config.stash[_PLAN] = plan(opt("kvproof_component") or (), load_impls(specs), opt("kvproof_config") or (),
-                                   selection, chosen)
-        profile = get_profile(opt("kvproof_profile"))
-        seed = opt("kvproof_seed")
+        problem = ""
+        try:
+            the_plan = plan(opt("kvproof_component") or (), load_impls(specs), opt("kvproof_config") or (),
+                            selection, chosen)
+            profile = get_profile(opt("kvproof_profile"))
+            seed = opt("kvproof_seed")
+            if profile.derandomize and seed is not None:  # refused as `kvproof conform --seed` refuses it
+                raise UsageError(f"--kvproof-seed {seed}: profile {opt('kvproof_profile')} is derandomized (each "
+                                 "test's seed derives from its name); use a randomized profile (nightly, smoke)")
+        except (HarnessError, ConfigError) as err:
+            problem = str(err)
+        if problem:  # bad input: one line naming it, not a traceback
+            pytest.fail(f"kvproof: {problem}", pytrace=False)
+        config.stash[_PLAN] = the_plan
         config.stash[_SEED] = ("derandomized (derived from each test)" if profile.derandomize
                                else seed if seed is not None else random.randrange(2**32))
         config.stash[_OUTCOMES] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvproof.conformance.check import failure_text
 from kvproof.conformance.errors import ConformanceFailure
 from kvproof.conformance.plan import PlannedTest
 from kvproof.conformance.pytest_plugin import kvproof_test_run
@@ -18,6 +19,7 @@ from kvproof.conformance.pytest_plugin import kvproof_test_run
 def test_conformance(kvproof_test: PlannedTest, request: pytest.FixtureRequest) -> None:
     outcome = kvproof_test_run(request, kvproof_test)
     report = outcome.report
-    if report is None or not report.passed:
-        text = report.failure if report is not None else outcome.reason
-        raise ConformanceFailure(f"{kvproof_test.impl.spec} [{kvproof_test.test_id}]: {text}")
+    if report is None:
+        raise ConformanceFailure(f"{kvproof_test.impl.spec} [{kvproof_test.test_id}]: {outcome.reason}")
+    if not report.passed:
+        raise ConformanceFailure(failure_text(report))

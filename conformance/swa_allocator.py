@@ -6,7 +6,8 @@ and requires the same outcome class (success, ``OutOfMemory``, ``InvalidOperatio
 After a failed operation the implementation's snapshot must be unchanged. After
 every step the invariant compares both sides up to a renaming of pages
 (:mod:`kvproof.conformance.compare`), the available sizes, the KV rows of every
-live token, and checks the reference's own invariants (G1-G3, M1, M2, M5).
+live token that its current owner wrote (other rows are implementation-defined:
+:mod:`kvproof.reference.kv`), and checks the reference's own invariants (G1-G3, M1, M2, M5).
 
 The harness plays the engine: it keeps a table of requests (positions -> reference
 full slots), extends them with ``alloc_extend`` / ``alloc_decode``, preallocates

@@ -43,9 +43,9 @@ from kvproof.reference.snapshot import AllocatorSnapshot
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
-           "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest",
-           "LocCacheSystemUnderTest", "SWAAllocatorUnderTest"]
+__all__ = ["CALLER_OWNED_RESULTS", "PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
+           "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest", "LocCacheSystemUnderTest",
+           "SWAAllocatorUnderTest"]
 
 
 class Capability(enum.StrEnum):
@@ -247,3 +247,14 @@ PROTOCOLS: dict[Component, tuple[type, ...]] = {
     Component.HISPARSE_HOST: (HostPoolUnderTest,),
     Component.ADMISSION: (AdmissionSystemUnderTest,),
 }
+
+#: Methods that hand the caller index tensors it owns from then on: no later call may write into what they
+#: returned (the harness keeps a copy and compares, kvproof.conformance.custody). Live views of the
+#: implementation's state are not among them: ``get_kv_buffer``, ``allocated_host_indices``, and
+#: ``alloc_paged_token_slots`` / ``admit_request_into_staging``, which return a view of the request's row of
+#: ``req_to_host_pool`` as upstream does (sglang_semantics.md §4.2; ``request_finished`` resets it to -1);
+#: nor are data reads (``get_host_data``, ``get_cpu_copy``). A result sharing storage with an argument is exempt.
+CALLER_OWNED_RESULTS: frozenset[str] = frozenset({
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "translate_loc_from_full_to_swa",
+    "eager_backup_previous_token",
+})

@@ -147,6 +147,10 @@ class AllocatorCall(BaseModel):
     args: dict[str, Any]
     error: OutOfMemory | None = None
     result: tuple[int, ...] = ()
+    #: the allocator right after a successful transition (``None`` for queries and failures): a harness that
+    #: replays a step's calls follows the pages each release gives back before a later call of the same step
+    #: hands them out again
+    after: sa.SWAAllocatorState | None = None
 
     @property
     def ok(self) -> bool:
@@ -360,7 +364,7 @@ class _Calls:
         out = self._call(op, rid, args)
         state, result = out if isinstance(out, tuple) else (out, ())
         self.state = state
-        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, result=tuple(result)))
+        self.calls.append(AllocatorCall(op=op, rid=rid, args=args, result=tuple(result), after=state))
         return tuple(result)
 
     def get_cpu_copy(self, rid: int, indices: list[int]) -> sa.KVCpuCopy:

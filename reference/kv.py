@@ -5,11 +5,15 @@ slots (``size_full + P`` rows), sliding-window layers by SWA slots
 (``size_swa + P`` rows), as in ``SWAKVPool``. A row is the K row followed by the
 V row, flattened (``2 * head_num * head_dim`` numbers).
 
-A row is *defined* only once written since its slot was last handed out; newly
-allocated slots hold whatever an earlier owner left there, which is
-implementation-defined and never compared (``None`` here). Writes to the padding
-slot 0 (an SWA write through an unmapped full slot, §1.4) are dropped for the same
-reason.
+A row is *defined* only where the current owner of its page wrote it: written while
+the page is held, and after the slot was last handed out. Rows of released pages
+(``free``, ``free_swa``, ``free_full``, ``clear``, the pages ``restore_state`` gives
+back) and of newly handed-out slots are forgotten (``None`` here): they hold whatever
+an earlier owner left there, which depends on the implementation's page choice
+(FIFO, LIFO, ...) and is never compared -- not even when a remap
+(``set_full_to_swa_mapping``) points a live slot at a slot its owner never wrote
+(issue 11, observation 1). Writes to the padding slot 0 (an SWA write through an
+unmapped full slot, §1.4) are dropped for the same reason.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         "the prefill adder's SWA budget against HiCache load-back (#27391): S8's out-of-memory, S9's starvation",
         "§5, §7 A1-A3, §8 item 8, §9 S8 S9",
         "kvproof.gpu_runtime.admission:AdmissionRuntime",
-        options=(Option("policy", ("pre_27391", "upstream_27391", "upstream_0523", "corrected"), "corrected",
+        options=(Option("budget", ("pre_27391", "upstream_27391", "upstream_0523", "corrected"), "corrected",
                         "admission: the prefill adder's SWA budget (pre_27391 runs out: S8; upstream_27391 starves: "
                         "S9)"),),
     ),
@@ -162,7 +162,8 @@ def info(component: Component | str) -> ComponentInfo:
 def options() -> tuple[Option, ...]:
     """Every component's run options, once each by name, in registry order.
 
-    Components may share an option name (``--policy``: ``decode_prealloc`` and ``admission``): the command line
+    Components may share an option name (none does today: ``decode_prealloc`` has ``--policy``, ``admission``
+    ``--budget``, so that one component's value never stops another's run): the command line
     offers the union of their choices and each component's suite accepts only its own (a value another component
     does not know is a usage error when that component runs). Shared options must share their default.
     """

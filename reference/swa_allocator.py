@@ -21,7 +21,9 @@ Theory of operation
 Ghost state (kvproof's, not SGLang's): page owners in both pools, the number of
 *live* (handed-out) slots of each full page (``fill``; always a prefix of the page),
 and an ``epoch`` that every release bumps. They make G1-G5 and M1-M5 checkable
-after every step (:mod:`kvproof.reference.invariants`).
+after every step (:mod:`kvproof.reference.invariants`). KV rows are ghost-tracked
+too: a release forgets the rows of the pages it gives back, so only rows the
+current owner wrote are defined (:mod:`kvproof.reference.kv`).
 
 Where kvproof deliberately differs from SGLang 0.5.23, the code says
 ``[Differs from SGLang 0.5.23: ...]``:
@@ -314,9 +316,9 @@ def free_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocat
 
 
 def clear(state: SWAAllocatorState) -> SWAAllocatorState:
-    """Back to the initial pools and mapping (keeps the sentinel); KV rows become undefined."""
+    """Back to the initial pools and mapping (keeps the sentinel); every KV row becomes undefined."""
     fresh = initial_state(state.config)
-    return fresh.model_copy(update={"kv": state.kv, "epoch": state.epoch + 1, "next_owner": state.next_owner})
+    return fresh.model_copy(update={"epoch": state.epoch + 1, "next_owner": state.next_owner})
 
 
 def backup_state(state: SWAAllocatorState) -> AllocatorBackup:
@@ -338,8 +340,12 @@ def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAlloc
     require(len(backup.fill) == len(state.fill), op, "state", "backup comes from a pool of another size")
     full = _roll_back(state.full, backup.full_free_pages)
     swa = _roll_back(state.swa, backup.swa_free_pages)
+    # the pages the roll-back releases lose their rows, as on any release
+    kv = _forget_pages(state, state.kv, "full", _newly_free(state.full, full))
+    kv = _forget_pages(state, kv, "swa", _newly_free(state.swa, swa))
     # a restore releases pages too: any other backup is stale from now on
-    return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill, "epoch": state.epoch + 1})
+    return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill, "kv": kv,
+                                    "epoch": state.epoch + 1})
 
 
 def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int],
@@ -603,6 +609,7 @@ def _release_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllo
     zeroed = [f for g in touched for f in range(g * p, g * p + p)]
     state = _set_mapping(state, zeroed, (0,) * len(zeroed))
     return state.model_copy(update={"swa": release_pages(state.swa, swa_pages),
+                                    "kv": _forget_pages(state, state.kv, "swa", swa_pages),
                                     "epoch": state.epoch + bool(swa_pages)})
 
 
@@ -613,7 +620,21 @@ def _release_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAll
     for g in pages:
         fill[g] = 0
     return state.model_copy(update={"full": release_pages(state.full, pages), "fill": tuple(fill),
+                                    "kv": _forget_pages(state, state.kv, "full", pages),
                                     "epoch": state.epoch + bool(pages)})
+
+
+def _forget_pages(state: SWAAllocatorState, kv: KVStore, pool: str, pages: Iterable[int]) -> KVStore:
+    """Released pages lose their rows (every slot): a later owner of the page never reads what an earlier one
+    wrote, whichever page an implementation reuses (rows are compared only where the current owner wrote)."""
+    p, geo = state.config.page_size, state.config.kv
+    layers = geo.full_attention_layer_ids if pool == "full" else geo.swa_attention_layer_ids
+    return forget_rows(kv, layers, sorted({g * p + o for g in pages for o in range(p)}))
+
+
+def _newly_free(before: PagedPool, after: PagedPool) -> list[int]:
+    """Pages allocated in ``before`` and free in ``after``."""
+    return [g for g in range(1, before.num_pages + 1) if before.owner[g] is not None and after.owner[g] is None]
 
 
 def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:

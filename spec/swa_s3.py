@@ -28,7 +28,8 @@ Transitions (§ of the semantics):
   their KV rows undefined;
 * ``free`` (full pages, then the SWA pages of their live slots, M = 0 on the pages),
   ``free_swa`` (the SWA side only, M3), ``free_full`` (the full side, only when the
-  live slots' M is 0): on the pages a slot list touches (§1.5);
+  live slots' M is 0): on the pages a slot list touches (§1.5); a released page's KV
+  rows become undefined (also for ``clear`` and the pages ``restore_state`` gives back);
 * ``clear`` (back to the initial pools and mapping), ``backup_state`` /
   ``restore_state`` (free lists and liveness only, never M: R3; a restore needs no
   release since the backup), ``set_full_to_swa_mapping`` (M on live slots, checked
@@ -593,8 +594,12 @@ def _release(s: State, a: Action, t: State, v: Variant, *, full: z3.BoolRef, swa
         *[t.swa_free[q] == z3.Or(s.swa_free[q], gone[q]) for q in PAGES],
         *[t.swa_owner[q] == z3.If(gone[q], 0, s.swa_owner[q]) for q in PAGES],
         *[t.M[x] == z3.If(z3.And(clears, touched[x // P]), 0, s.M[x]) for x in REAL_SLOTS],
+        # a released page's rows are undefined: its next owner never reads the last one's (kvproof.reference.kv)
+        *[t.kv_full[x] == z3.If(z3.And(full, touched[x // P]), 0, s.kv_full[x]) for x in REAL_SLOTS],
+        *[t.kv_swa[y] == z3.If(gone[y // P], 0, s.kv_swa[y]) for y in REAL_SLOTS],
         t.backup == z3.And(s.backup, *[z3.Not(r) for r in returns]),
-        *_ts.unchanged_except(s, t, "full_free", "full_owner", "live", "swa_free", "swa_owner", "M", "backup"),
+        *_ts.unchanged_except(s, t, "full_free", "full_owner", "live", "swa_free", "swa_owner", "M", "kv_full",
+                              "kv_swa", "backup"),
     )
 
 
@@ -631,16 +636,17 @@ def _releasing(v: Variant, name: str) -> Callable[[State, Action, State], z3.Boo
 
 def _clear(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
     def clear(s: State, a: Action, t: State) -> z3.BoolRef:
-        """``clear()``: both pools back to all free, M[:-1] = 0, nothing live; rows and a held copy stay."""
+        """``clear()``: both pools back to all free, M[:-1] = 0, nothing live, every row undefined; a held copy
+        stays."""
         swa = [*[t.swa_free[q] for q in PAGES], *[t.swa_owner[q] == 0 for q in PAGES]] if v.clear_swa_pool else \
             _ts.unchanged(s, t, "swa_free", "swa_owner")
         mapping = [t.M[x] == 0 for x in REAL_SLOTS] if v.clear_resets_mapping else _ts.unchanged(s, t, "M")
         return z3.And(
             *[t.full_free[g] for g in PAGES], *[t.full_owner[g] == 0 for g in PAGES],
             *[t.page_index[g] == 0 for g in PAGES], *[z3.Not(t.live[x]) for x in REAL_SLOTS], *swa, *mapping,
-            z3.Not(t.backup),
-            *_ts.unchanged(s, t, "bk_held", "bk_full_free", "bk_swa_free", "bk_live", "kv_full", "kv_swa",
-                           "copy_len", "copy_full", "copy_mask", "copy_swa"),
+            z3.Not(t.backup), *[t.kv_full[x] == 0 for x in REAL_SLOTS], *[t.kv_swa[y] == 0 for y in REAL_SLOTS],
+            *_ts.unchanged(s, t, "bk_held", "bk_full_free", "bk_swa_free", "bk_live", "copy_len", "copy_full",
+                           "copy_mask", "copy_swa"),
         )
 
     return clear
@@ -658,13 +664,18 @@ def backup_state(s: State, a: Action, t: State) -> z3.BoolRef:
 def _restore_state(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
     def restore_state(s: State, a: Action, t: State) -> z3.BoolRef:
         """``restore_state(backup)`` of a held backup: free lists and liveness from it, M kept (R3); needs no
-        release since the backup (the reference's epoch check); the backup is stale afterwards."""
+        release since the backup (the reference's epoch check); the backup is stale afterwards; the pages it
+        gives back lose their rows, as on any release."""
         r = s.restored()
         guard = [s.bk_held, *([s.backup] if v.restore_checks_epoch else [])]
+        back_full = {g: z3.And(z3.Not(s.full_free[g]), r.full_free[g]) for g in PAGES}
+        back_swa = {q: z3.And(z3.Not(s.swa_free[q]), r.swa_free[q]) for q in PAGES}
         return z3.And(*guard, *_ts.unchanged(r, t, "full_free", "swa_free", "full_owner", "swa_owner", "live"),
                       z3.Not(t.backup),
+                      *[t.kv_full[x] == z3.If(back_full[x // P], 0, s.kv_full[x]) for x in REAL_SLOTS],
+                      *[t.kv_swa[y] == z3.If(back_swa[y // P], 0, s.kv_swa[y]) for y in REAL_SLOTS],
                       *_ts.unchanged_except(s, t, "full_free", "swa_free", "full_owner", "swa_owner", "live",
-                                            "backup"))
+                                            "kv_full", "kv_swa", "backup"))
 
     return restore_state
 

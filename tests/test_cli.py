@@ -15,8 +15,14 @@ def test_prove_filtered_passes_and_prints_rows() -> None:
     assert "swa_allocator.swa_tail_len.upper_bound" in result.output and "0 failed" in result.output
 
 
-def test_prove_nothing_selected_is_an_error() -> None:
-    assert run("prove", "-k", "no-such-obligation").exit_code == 1
+def test_prove_nothing_selected_is_a_usage_error_naming_the_filter() -> None:
+    """Observation 7: a -k (or --component and -k) matching nothing printed an empty table with no reason."""
+    result = run("prove", "-k", "no-such-obligation")
+    assert result.exit_code == 2
+    assert "-k 'no-such-obligation' matches no obligation of swa_allocator, loc_cache" in result.output
+    assert "kvproof prove" not in result.output  # no empty table
+    narrowed = run("prove", "--component", "hisparse_host", "-k", "swa_tail_len")
+    assert narrowed.exit_code == 2 and "matches no obligation of hisparse_host" in narrowed.output
 
 
 def test_conform_bad_impl_names_the_problem() -> None:

@@ -79,16 +79,16 @@ def test_upstream_0523_starves_too_and_corrected_does_not_on_the_same_config() -
                      policy="corrected").passed
 
 
-def test_the_policy_option_is_declared_once_and_maps_to_both_sides() -> None:
-    """``--policy`` of admission comes from the registry and is shared by name with decode_prealloc's."""
+def test_the_budget_option_is_declared_once_and_maps_to_both_sides() -> None:
+    """``--budget`` of admission comes from the registry; decode_prealloc's ``--policy`` values never reach it."""
     (option,) = info("admission").options
-    assert option.name == "policy" and set(option.choices) == {p.value for p in AdmissionPolicy}
-    (shared,) = [o for o in options() if o.name == "policy"]
-    assert {"upstream", *option.choices} <= set(shared.choices) and shared.default == "corrected"
+    assert option.name == "budget" and set(option.choices) == {p.value for p in AdmissionPolicy}
+    assert {o.name for o in options()} == {"policy", "budget"}
     suite = get_suite("admission")
-    assert suite.options({"policy": "upstream_27391"}) == {"policy": "upstream_27391"}
+    assert suite.options({"budget": "upstream_27391"}) == {"policy": "upstream_27391"}
+    assert suite.options({"policy": "upstream"}) == {"policy": "corrected"}  # decode_prealloc's option: not ours
     assert LONG_TOMBSTONE.with_policy("upstream_27391").config.policy is AdmissionPolicy.UPSTREAM_27391
     from kvproof.conformance.errors import UsageError
 
     with pytest.raises(UsageError, match="choose one of"):
-        suite.options({"policy": "upstream"})
+        suite.options({"budget": "upstream"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -67,8 +68,15 @@ def test_cli_replay_and_bad_vectors(tmp_path) -> None:
     runner = CliRunner()
     bad = runner.invoke(main, ["replay", path, "--impl", "kvproof.conformance.mutants.hisparse_host:ReleaseReversed"])
     assert bad.exit_code == 1 and "FAIL" in bad.output
-    good = runner.invoke(main, ["replay", path])  # the component's default implementation
+    good = runner.invoke(main, ["replay", path, "--impl", "kvproof.gpu_runtime.hisparse_host:HiSparseHostPool"])
     assert good.exit_code == 0, good.output
+    recorded = runner.invoke(main, ["replay", path])  # the vector names its implementation: replayed on it
+    assert recorded.exit_code == 1 and "FAIL" in recorded.output
+    assert "replaying on kvproof.conformance.mutants.hisparse_host:ReleaseReversed" in recorded.output
+    vector = json.loads(Path(path).read_text())
+    Path(path).write_text(json.dumps({**vector, "impl": "impl"}))  # recorded under a name that imports nothing
+    unnamed = runner.invoke(main, ["replay", path])
+    assert unnamed.exit_code == 2 and "--impl" in unnamed.output
     (tmp_path / "junk.json").write_text('{"format": "something-else"}')
     assert runner.invoke(main, ["replay", str(tmp_path / "junk.json")]).exit_code == 2
     with pytest.raises(VectorError, match="not JSON"):
