@@ -64,11 +64,22 @@ CASES = _cases()
 SHORT_CASES = _cases(small=False)
 
 
+#: components without legal implementations yet, each with the reason (a stale entry fails the test below)
+NOT_YET: dict[Component, str] = {
+    Component.ADMISSION: "issue 12 (in progress): a legal admission system (its own tree, budget and load-back "
+                         "over an SWA pool with FIFO / LIFO / random page reuse) is not written yet",
+}
+
+
 def test_every_component_has_legal_implementations() -> None:
-    """FIFO, LIFO and random page reuse for every component of the registry."""
+    """FIFO, LIFO and random page reuse for every component of the registry (but those listed in NOT_YET)."""
     served = {(c.values[1], impl.rsplit(":", 1)[1]) for c in CASES for impl in [c.values[0]]}
     for component in Component:
-        assert {name for comp, name in served if comp is component} >= {"fifo", "lifo", "randomized"}, component
+        names = {name for comp, name in served if comp is component}
+        if component in NOT_YET:
+            assert not names, f"{component}: it has legal implementations now; drop its NOT_YET entry"
+            continue
+        assert names >= {"fifo", "lifo", "randomized"}, component
 
 
 def _passes(impl: str, component: Component, config: Any, profile: str) -> None:
