@@ -354,6 +354,8 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
                   **kwargs: Any) -> CheckReport:
     """:func:`run_check` in a supervised child; its progress and first verdict come back as notes."""
     start = time.perf_counter()
+    spec = impl_name or factory_spec(factory)
+    options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}  # the machine options
     first: list[tuple[str, list[dict[str, Any]], str | None]] = []
 
     def on_note(note: tuple[Any, ...]) -> None:
@@ -364,25 +366,22 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
 
     try:
         outcome = run_isolated(
-            lambda: run_check(component, factory, config, impl_name=impl_name, replay=replay,
+            lambda: run_check(component, factory, config, impl_name=spec, replay=replay,
                               failures_dir=failures_dir, op_timeout=op_timeout, isolation="child", **kwargs),
             op_timeout=op_timeout, memory_limit_mb=memory_limit_mb, on_note=on_note)
     except KeyboardInterrupt as err:  # the child is killed; what it had found is on disk and in `first`
-        suite = get_suite(component)
-        name, spec = suite.component.value, impl_name or factory_spec(factory)
+        name = get_suite(component).component.value
         failure = vector = None
         if first:
             failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
-            options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
             vector = {**make_vector(name, config, spec, options, first[0][1], failure), "first_seen": True}
         raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), {}, {}, 0, 0,
                                          time.perf_counter() - start, failure, first[0][2] if first else None,
                                          (), vector)) from err
     if not isinstance(outcome, Crash):
         return outcome
-    options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}
-    return _crash_report(component, config, impl_name or factory_spec(factory), replay, failures_dir, options,
-                         outcome, time.perf_counter() - start)
+    return _crash_report(component, config, spec, replay, failures_dir, options, outcome,
+                         time.perf_counter() - start)
 
 
 #: keyword arguments of run_check that are not machine options
