@@ -317,12 +317,7 @@ def random_run(policy: Policy, seed: int, steps: int = 40) -> tuple[int, int]:
     refs; returns (admitted, out-of-memory) counts. A failed call changes nothing."""
     rng = random.Random(seed)
     page, window = rng.choice((1, 2, 4)), rng.randint(1, 8)
-    nodes: list[ad.Node] = []
-    for i in range(rng.randint(1, 6)):
-        parent = rng.randrange(-1, i)
-        full = rng.random() < 0.8 and (parent == -1 or nodes[parent].full_on_device)
-        swa = rng.choice((DEVICE, HOST, HOST, NONE)) if full else rng.choice((HOST, NONE))
-        nodes.append(ad.Node(parent=parent, length=page * rng.randint(1, 4), full_on_device=full, swa=swa))
+    nodes = random_tree(rng, page, max_pages=4)
     used = sum(n.length // page for n in nodes if n.swa is DEVICE)
     c = ad.AdmissionConfig(page_size=page, sliding_window=window, swa_pages=used + rng.randint(24, 64) // page,
                            chunk_size=rng.choice((None, page, 2 * page, 4 * page)), policy=policy)
@@ -381,13 +376,14 @@ def test_a_request_without_a_match_is_admitted_and_finishes() -> None:
     assert checked(ad.cache_finished_req(state, rid)).available == 8
 
 
-def random_tree(rng: random.Random, page: int) -> list[ad.Node]:
+def random_tree(rng: random.Random, page: int, max_pages: int = 12) -> list[ad.Node]:
+    """Up to 6 nodes of 1 to ``max_pages`` pages: Full on device or host, SWA on device, on host or neither."""
     nodes: list[ad.Node] = []
     for i in range(rng.randint(1, 6)):
         parent = rng.randrange(-1, i)
         full = rng.random() < 0.8 and (parent == -1 or nodes[parent].full_on_device)
         swa = rng.choice((DEVICE, HOST, HOST, NONE)) if full else rng.choice((HOST, NONE))
-        nodes.append(ad.Node(parent=parent, length=page * rng.randint(1, 12), full_on_device=full, swa=swa))
+        nodes.append(ad.Node(parent=parent, length=page * rng.randint(1, max_pages), full_on_device=full, swa=swa))
     return nodes
 
 
