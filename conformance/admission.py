@@ -89,10 +89,14 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
     component = Component.ADMISSION
     snapshot_type = AdmissionSnapshot
 
+    @classmethod
+    def effective_config(cls, config: AdmissionSetup, options: dict[str, Any]) -> AdmissionSetup:
+        """The run option ``policy`` (``--budget``): both sides are built under that policy."""
+        policy = options.get("policy")
+        return config if policy is None else config.with_policy(policy)
+
     def __init__(self, binding: Any) -> None:
-        policy = binding.options.get("policy")
-        if policy is not None:  # the run option: both sides are built under that policy
-            binding = dataclasses.replace(binding, config=binding.config.with_policy(policy))
+        binding = dataclasses.replace(binding, config=self.effective_config(binding.config, binding.options))
         super().__init__(binding)
         self.ref = ad.initial_state(self.config.config, self.config.nodes)
         c = self.config.config
@@ -101,6 +105,9 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         self.matched: set[int] = set()  # matched in the open round
         self.stopped = False  # the adder said stop (or refused the head): no more add_one_req this round
         self.idle_refusals: dict[int, int] = {}
+        # 0.5.23's scheduler matches each request right before its add (get_new_batch_prefill's loop); the seed-era
+        # one matched the whole queue first, so an earlier load-back or an eviction could make a match stale (§5.7)
+        self.match_each = c.policy is AdmissionPolicy.UPSTREAM_0523
 
     # ------------------------------------------------------------ helpers
 
@@ -171,11 +178,18 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.ref = out[0][0]
             self.queue, self.matched, self.stopped = self._waiting(), set(), False
 
-    @operation(when=lambda self: self._round_open() and any(r not in self.matched for r in self.queue))
+    def _to_match(self) -> list[int]:
+        if self.match_each:
+            head = self._head()
+            return [head] if head is not None and head not in self.matched else []
+        return [r for r in self.queue if r not in self.matched]
+
+    @operation(when=lambda self: self._round_open() and self._to_match())
     def match_prefix_for_req(self) -> None:
         """The round's queue is matched, request by request (the match-time snapshots, §5.4), before the adds: an
-        earlier request's load-back (which evicts) or an eviction can change a later request's window meanwhile."""
-        for rid in [r for r in self.queue if r not in self.matched]:
+        earlier request's load-back (which evicts) or an eviction can change a later request's window meanwhile.
+        Under ``upstream_0523`` each request is matched right before its add, as 0.5.23's scheduler does."""
+        for rid in self._to_match():
             self._match(rid)
 
     def _match(self, rid: int) -> None:
@@ -234,9 +248,15 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         self.ref = out[0][0]
         self.queue, self.matched, self.stopped = [], set(), False
 
-    @operation(when=lambda self: ad.swa_evictable_pages(self.ref) > 0, data=st.data())
+    def _between_match_and_add(self) -> bool:
+        head = self._head()
+        return self.match_each and head is not None and head in self.matched
+
+    @operation(when=lambda self: ad.swa_evictable_pages(self.ref) > 0 and not self._between_match_and_add(),
+               data=st.data())
     def evict(self, data: Any) -> None:
-        """The tree evicts device SWA of unlocked nodes (any time: also between a match and the add)."""
+        """The tree evicts device SWA of unlocked nodes (any time: also between a match and the add, but under
+        ``upstream_0523``, whose scheduler adds a request right after matching it)."""
         n = data.draw(st.integers(0, self.total), label="num_pages")
         out = self.call("evict", f"num_pages {n}", lambda: (ad.evict(self.ref, n), None),
                         lambda: self.impl.evict(n))

@@ -255,6 +255,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     suite = get_suite(component)
     name = suite.component.value
     impl_name = impl_name or factory_spec(factory)
+    config = suite.machine.effective_config(config, machine_options)
     # one failure per run, the shrunk one: its vector is the one the report carries; no @reproduce_failure
     # advice (the stateful test it names is built inside run_state_machine_as_test: nobody can decorate it)
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)

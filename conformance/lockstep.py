@@ -546,6 +546,12 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         return out
 
     @classmethod
+    def effective_config(cls, config: Any, options: dict[str, Any]) -> Any:
+        """The config both sides are built from under the run's machine ``options`` (the factory too: its probe
+        sees what the run will build). The default: ``config`` itself."""
+        return config
+
+    @classmethod
     def not_applicable(cls, caps: frozenset[Capability], config: Any) -> tuple[str, ...]:
         """Rules (and, for an implementation that rejects misuse, misuse cases) whose needs ``caps`` lacks."""
         out = [name for name, op in sorted(cls.operations.items()) if not op.applicable(caps, config)]

@@ -76,6 +76,7 @@ __all__ = [
     "SGLangModules",
     "SGLangSWAAllocator",
     "capabilities_for",
+    "import_sglang_modules",
     "load_sglang",
     "sglang_available",
 ]
@@ -172,6 +173,14 @@ def load_sglang() -> SGLangModules:
     logger.info("kvproof: imported SGLang %s in %.1fs (stubs: %s)", installed, _LOADED.import_seconds,
                 ", ".join(stubs) or "none")
     return _LOADED
+
+
+def import_sglang_modules(*names: str) -> list[types.ModuleType]:
+    """SGLang modules by name, after :func:`load_sglang` (stubs where needed), SGLang's import-time warnings muted."""
+    load_sglang()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SGLang warns about CUDA-only quantization methods at import
+        return [importlib.import_module(name) for name in names]
 
 
 # ---------------------------------------------------------------- the adapter

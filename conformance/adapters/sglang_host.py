@@ -73,17 +73,21 @@ raises ``ImportError`` naming the install command without SGLang.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import re
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvproof.conformance.adapters.sglang import INSTALL_HINT, SGLANG_VERSION, load_sglang, sglang_available
+from kvproof.conformance.adapters.sglang import (
+    INSTALL_HINT,
+    SGLANG_VERSION,
+    import_sglang_modules,
+    load_sglang,
+    sglang_available,
+)
 from kvproof.conformance.errors import HarnessBug
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import ConfigError, OutOfMemory
@@ -128,12 +132,9 @@ def load_sglang_host() -> SGLangHostModules:
     if _HOST is not None:
         return _HOST
     sg = load_sglang()  # the SWA adapter's loader: stubs where needed, once per process
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-        mla = importlib.import_module("sglang.srt.mem_cache.pool_host.mla")
-        hisparse = importlib.import_module("sglang.srt.mem_cache.pool_host.hisparse")
-        base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
+    memory_pool, mla, hisparse, base = import_sglang_modules(
+        "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mla",
+        "sglang.srt.mem_cache.pool_host.hisparse", "sglang.srt.mem_cache.pool_host.base")
     _HOST = SGLangHostModules(sg.version, memory_pool.MLATokenToKVPool, mla.MLATokenToKVPoolHost,
                               hisparse.HiSparseHostPoolMixin, base.host_memory_budget_scope)
     return _HOST
