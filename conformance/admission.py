@@ -77,6 +77,10 @@ ADMISSION_CONFIGS: tuple[AdmissionSetup, ...] = (
     # W not a page multiple (the capped restore rounds up): tombstones of 1 and 3 pages, a 2-page device prefix
     AdmissionSetup(name="page_edge", config=_config(4, 6, 8, 8), nodes=(
         _node(-1, 8, DEVICE), _node(0, 4, HOST), _node(1, 4, DEVICE), _node(-1, 12, HOST), _node(3, 4, DEVICE))),
+    # a Full host prefix under a device SWA node: the best-match window (a host tombstone) lies below the last device
+    # node's, which 0.5.23's selection pin protects (found by driving SGLang's real PrefillAdder, F5)
+    AdmissionSetup(name="host_prefix", config=_config(2, 4, 8, 6), nodes=(
+        _node(-1, 4, DEVICE), _node(0, 2, HOST, full=False), _node(1, 4, HOST, full=False), _node(-1, 4, DEVICE))),
     # P = 1, chunked prefill off: tombstones of W and of 8 W
     AdmissionSetup(name="no_chunk", config=_config(1, 3, 12, None), nodes=(
         _node(-1, 2, DEVICE), _node(0, 3, HOST), _node(1, 1, DEVICE), _node(-1, 24, HOST), _node(3, 1, HOST))),
@@ -136,6 +140,20 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
 
     def _head(self) -> int | None:
         return self.queue[0] if self.queue and not self.stopped else None
+
+    def _why_refused(self, rid: int) -> str:
+        """What makes a request that fits the empty pool too big for the budget, in the state it is refused in."""
+        r, c = self.ref.requests[rid], self.ref.config
+        walk = ad.window_walk(self.ref, r.node)
+        if walk.host_tokens > walk.capped_tokens:
+            return (f"S9: the budget charges the window's host tombstones whole, {walk.host_tokens} tokens, where "
+                    f"load-back within the window needs {walk.capped_tokens}")
+        last = ad.last_device_node(self.ref, r.node)
+        pinned = ad.window_walk(self.ref, last).unlocked_device_pages - walk.unlocked_device_pages
+        if c.policy is AdmissionPolicy.UPSTREAM_0523 and pinned > 0:
+            return (f"the selection pin of node {last}, the match's last device node, protects {pinned} device SWA "
+                    f"page(s) outside the request's window")
+        return "S9"
 
     def _describe(self, rid: int) -> str:
         r = self.ref.requests[rid]
@@ -207,6 +225,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         idle = self._idle() and ad.fits_empty_pool(self.ref, rid)
         rem = ad.rem_swa_tokens(self.ref)
         described = self._describe(rid)
+        why = self._why_refused(rid)
         out = self.call("add_one_req", described, lambda: ad.add_one_req(self.ref, rid),
                         lambda: self.impl.add_one_req(rid))
         if out is None:  # both ran out of SWA: the budget admitted a request whose load-back does not fit
@@ -232,7 +251,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                 self.fail(f"liveness violated: {described} was refused in {self.idle_refusals[rid]} idle rounds "
                           f"(nothing admitted, running, locked or reserved; rem_swa_tokens {rem} of "
                           f"{self.ref.config.size_swa}) although it fits the empty pool; a refusal changes nothing, "
-                          f"so it waits forever and blocks the queue behind it (S9, policy "
+                          f"so it waits forever and blocks the queue behind it ({why}, policy "
                           f"{self.ref.config.policy.value})")
 
     @operation(when=lambda self: self._round_open() and self._head() is None)

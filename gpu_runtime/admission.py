@@ -285,7 +285,10 @@ class AdmissionRuntime:
         self._check_rid(op, rid)
         node = int(self.reqs[rid, _NODE])
         require(bool(self.locked[rid]) or node == -1, op, "rid", f"request {rid} does not hold its window lock")
-        p = self.page_size
+        return self._load_back(rid, node)
+
+    def _load_back(self, rid: int, node: int) -> int:
+        op, p = "init_load_back", self.page_size
         restores = self._restores(self._walk(node))
         pages = sum(t for _, t in restores) // p
         taken = self._alloc(op, pages, rid)
@@ -333,15 +336,12 @@ class AdmissionRuntime:
 
     def _fits(self, rid: int, adder: _Adder) -> tuple[bool, int | None]:
         chunk, rem = adder.rem_chunk, self.rem_swa_tokens()
-        if self.policy is AdmissionPolicy.UPSTREAM_0523:
-            return self._check_prefill(rid, rem, chunk)
         extend, host = self._budget_terms(rid)
         return self._admits(self._budget(extend, host, chunk), rem), chunk
 
-    def _check_prefill(self, rid: int, rem: int, chunk: int | None) -> tuple[bool, int | None]:
+    def _check_prefill(self, rid: int, rem: int, chunk: int | None, e_after: int) -> tuple[bool, int | None]:
         """``SWAPrefillBudget.check_prefill`` with the never-fits chunk cap (upstream_0523 §1.2)."""
         p = self.page_size
-        e_after = int(self.reqs[rid, _PROMPT]) - self._path_len(int(self.reqs[rid, _NODE]))
         max_new, (_, _, host) = int(self.reqs[rid, _MAX_NEW]), self._match_of(rid)
         needed = self._estimate(_ceil_p(e_after, p), max_new, chunk, host)
         if needed < rem:
@@ -363,11 +363,12 @@ class AdmissionRuntime:
         if int(self.match[rid, 0]) < 0:
             raise InvalidOperation(op, "rid", f"request {rid} has no match (match_prefix_for_req first)")
         p, node = self.page_size, int(self.reqs[rid, _NODE])
-        upstream_0523 = self.policy is AdmissionPolicy.UPSTREAM_0523
-        if not upstream_0523 and not self._fits(rid, adder)[0]:  # the check outside the lock
+        if self.policy is AdmissionPolicy.UPSTREAM_0523:
+            return self._add_one_req_0523(rid, adder)
+        if not self._fits(rid, adder)[0]:  # the check outside the lock
             return AddReqResult.NO_TOKEN
         held = self._inc_lock_ref(node)
-        ok, limit = self._fits(rid, adder) if (self.recheck or upstream_0523) else (True, adder.rem_chunk)
+        ok, limit = self._fits(rid, adder) if self.recheck else (True, adder.rem_chunk)
         if not ok:
             self._dec_lock_ref(held)
             return AddReqResult.NO_TOKEN
@@ -396,6 +397,44 @@ class AdmissionRuntime:
         self.reqs[rid, _STAT], self.reqs[rid, _PREFIX], self.reqs[rid, _EXTEND] = _ADMITTED, prefix, extend
         return self._budget_state()
 
+    def _last_device_node(self, node: int) -> int:
+        """The match's ``last_device_node``: the deepest node on the path whose Full KV is on device."""
+        return next((i for i in self._path(node) if bool(self.full[i])), -1)
+
+    def _add_one_req_0523(self, rid: int, adder: _Adder) -> AddReqResult:
+        """0.5.23: select under a pin of the last device node (check, chunk), load back if the match found a host
+        hit, lock the best-match node's window, unpin (upstream_0523_vllm_fuzz.md §1.1)."""
+        p, node = self.page_size, int(self.reqs[rid, _NODE])
+        device, host_full, swa_host = self._match_of(rid)
+        pin = self._inc_lock_ref(self._last_device_node(node))
+        prefix = device + host_full
+        e = int(self.reqs[rid, _PROMPT]) - prefix
+        ok, limit = self._check_prefill(rid, self.rem_swa_tokens(), adder.rem_chunk, e)
+        if not ok:
+            self._dec_lock_ref(pin)
+            return AddReqResult.NO_TOKEN
+        if limit is None or _ceil_p(e, p) <= limit:
+            extend, input_tokens, max_new, chunked = e, _ceil_p(e, p), int(self.reqs[rid, _MAX_NEW]), False
+        else:
+            extend, input_tokens, max_new, chunked = limit // p * p, limit // p * p, 0, True
+            if extend <= 0:  # no page of chunk left: nothing was loaded, nothing changes
+                self._dec_lock_ref(pin)
+                return AddReqResult.OTHER
+        if host_full > 0 or swa_host > 0:  # needs_host_load_back, under the pin only
+            try:
+                self._load_back(rid, node)
+            except OutOfMemory:
+                self._dec_lock_ref(pin)
+                raise
+        self.locked[rid] = self._inc_lock_ref(node)
+        self._dec_lock_ref(pin)
+        self.update_prefill_budget(input_tokens, max_new)
+        adder.can_run.append(rid)
+        if chunked:
+            adder.new_chunked = rid
+        self.reqs[rid, _STAT], self.reqs[rid, _PREFIX], self.reqs[rid, _EXTEND] = _ADMITTED, prefix, extend
+        return self._budget_state()
+
     def update_prefill_budget(self, input_tokens: int, max_new_tokens: int) -> None:
         """The reservation without the host term (load-back already took its pages); ``rem_chunk -= ceil_P(e)``."""
         adder = self._open_adder("update_prefill_budget")
@@ -412,7 +451,8 @@ class AdmissionRuntime:
         adder = self.adder
         if adder is None or self.rem_swa_tokens() <= 0:
             return AddReqResult.NO_TOKEN
-        if adder.new_chunked is not None or (adder.rem_chunk is not None and adder.rem_chunk <= 0):
+        stop_at_chunk = self.policy is not AdmissionPolicy.UPSTREAM_0523 and adder.new_chunked is not None
+        if stop_at_chunk or (adder.rem_chunk is not None and adder.rem_chunk <= 0):
             return AddReqResult.OTHER
         return AddReqResult.CONTINUE
 

@@ -113,6 +113,7 @@ __all__ = [
     "inc_lock_ref",
     "init_load_back",
     "initial_state",
+    "last_device_node",
     "match_prefix_for_req",
     "needs_host_load_back",
     "path_len",
@@ -569,6 +570,11 @@ def init_load_back(state: AdmissionState, rid: int) -> tuple[AdmissionState, int
     req = _request(state, op, rid)
     # load-back runs under the request's window lock, taken by add_one_req
     require(bool(req.locked) or req.node == -1, op, "rid", f"request {rid} does not hold its window lock")
+    return _load_back(state, rid, req)
+
+
+def _load_back(state: AdmissionState, rid: int, req: Request) -> tuple[AdmissionState, int]:
+    op = "init_load_back"
     walk, p = window_walk(state, req.node), state.config.page_size
     capped = state.config.policy is AdmissionPolicy.CORRECTED
     restores = walk.restores if capped else tuple((i, state.nodes[i].length) for i, _ in walk.restores)
@@ -606,12 +612,12 @@ def add_one_req(state: AdmissionState, rid: int) -> tuple[AdmissionState, AddReq
     match = req.match
     policy, p, w = c.policy, c.page_size, c.sliding_window
     chunk = adder.rem_chunk_tokens
+    if policy is AdmissionPolicy.UPSTREAM_0523:
+        return _add_one_req_0523(state, rid, adder, req, match)
     e_after = req.prompt_len - path_len(state, req.node)
 
     def fits(s: AdmissionState) -> tuple[bool, int | None]:
         rem = rem_swa_tokens(s)
-        if policy is AdmissionPolicy.UPSTREAM_0523:
-            return check_prefill(c, e_after, req.max_new_tokens, match.swa_host_hit_length, rem, chunk)
         if policy is AdmissionPolicy.CORRECTED:
             e, h = e_after, window_walk(s, req.node).capped_tokens  # recomputed from the tree now
         else:
@@ -620,7 +626,7 @@ def add_one_req(state: AdmissionState, rid: int) -> tuple[AdmissionState, AddReq
         budget = swa_budget_for_req(e, h, window=w, page_size=p, rem_chunk_tokens=chunk)
         return budget < rem, chunk  # upstream: `budget >= rem_swa_tokens` -> NO_TOKEN
 
-    if policy is not AdmissionPolicy.UPSTREAM_0523 and not fits(state)[0]:  # the check outside the lock
+    if not fits(state)[0]:  # the check outside the lock
         return state, AddReqResult.NO_TOKEN
     locked, held = inc_lock_ref(state, req.node)
     ok, limit = fits(locked)  # the check inside the lock: the request's own window is protected now
@@ -646,13 +652,59 @@ def add_one_req(state: AdmissionState, rid: int) -> tuple[AdmissionState, AddReq
     return out, _budget_state(out)
 
 
+def last_device_node(state: AdmissionState, node: int) -> int:
+    """The deepest node on the path to ``node`` whose Full KV is on device (``-1``: none): the match's
+    ``last_device_node``, which 0.5.23's selection lock pins."""
+    while node != -1 and not state.nodes[node].full_on_device:
+        node = state.nodes[node].parent
+    return node
+
+
+def _add_one_req_0523(state: AdmissionState, rid: int, adder: PrefillAdder, req: Request, match: MatchResult
+                      ) -> tuple[AdmissionState, AddReqResult]:
+    """0.5.23's ``add_one_req`` (upstream_0523_vllm_fuzz.md §1.1): under a pin of the match's last *device* node
+    (``_lock_node(req.last_node)``), ``_select_prefill_admission`` decides from the match-time lengths -- the check
+    (``SWAPrefillBudget.check_prefill``) and the chunk, ``OTHER`` with nothing changed when no page of chunk is left
+    -- then, if the match found a host hit (``needs_host_load_back``), ``init_load_back`` restores the walk from the
+    best-match node under that pin; the commit locks the best-match node's window and the pin is released."""
+    c, p = state.config, state.config.page_size
+    chunk = adder.rem_chunk_tokens
+    pinned, pin = inc_lock_ref(state, last_device_node(state, req.node))
+    prefix = match.device_prefix_len + match.host_hit_length
+    e = req.prompt_len - prefix
+    ok, limit = check_prefill(c, e, req.max_new_tokens, match.swa_host_hit_length, rem_swa_tokens(pinned), chunk)
+    if not ok:
+        return state, AddReqResult.NO_TOKEN
+    if limit is None or ceil_p(e, p) <= limit:
+        extend, input_tokens, max_new, chunked = e, ceil_p(e, p), req.max_new_tokens, False
+    else:
+        extend = floor_p(limit, p)  # prefix is whole pages: (prefix + extend) stays page-aligned
+        if extend <= 0:
+            return state, AddReqResult.OTHER
+        input_tokens, max_new, chunked = extend, 0, True
+    loaded = pinned
+    if needs_host_load_back(match):  # under the pin only (0.5.23 locks nothing else for a non-unified tree)
+        loaded, _ = _load_back(pinned, rid, req)
+    loaded, held = inc_lock_ref(loaded, req.node)  # the commit's lock
+    loaded = dec_lock_ref(loaded, pin)
+    new_adder = update_prefill_budget(adder, c, input_tokens, max_new)
+    new_adder = new_adder.model_copy(update={"can_run": (*adder.can_run, rid),
+                                             "new_chunked_req": rid if chunked else adder.new_chunked_req})
+    admitted = req.model_copy(update={"status": ReqStatus.ADMITTED, "locked": held, "prefix_len": prefix,
+                                      "extend_len": extend})
+    out = _set_request(loaded, rid, admitted).model_copy(update={"adder": new_adder})
+    return out, _budget_state(out)
+
+
 def _budget_state(state: AdmissionState) -> AddReqResult:
     """``budget_state`` (§5.3 step 9), SWA part: NO_TOKEN when no SWA budget is left, OTHER when the chunk is
     used up or a chunked request was added, else CONTINUE."""
     adder = state.adder
     if adder is None or rem_swa_tokens(state) <= 0:
         return AddReqResult.NO_TOKEN
-    if adder.new_chunked_req is not None or (adder.rem_chunk_tokens is not None and adder.rem_chunk_tokens <= 0):
+    # 0.5.23's budget_state does not stop at a chunked request (the next add finds no page of chunk left)
+    stop_at_chunk = state.config.policy is not AdmissionPolicy.UPSTREAM_0523 and adder.new_chunked_req is not None
+    if stop_at_chunk or (adder.rem_chunk_tokens is not None and adder.rem_chunk_tokens <= 0):
         return AddReqResult.OTHER
     return AddReqResult.CONTINUE
 

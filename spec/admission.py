@@ -201,7 +201,9 @@ class Action:
 
     ``add_one_req``: ``e`` = prompt - Full device prefix (before load-back), ``host_full`` = the Full host hit
     (``e' = e - host_full``), ``m`` = the clipped ``max_new_tokens``, ``h_snap`` = the match-time
-    ``swa_host_hit_length`` in pages, ``own`` = the window's unlocked device pages, ``lb_whole`` /
+    ``swa_host_hit_length`` in pages, ``own`` = the window's unlocked device pages, ``own_sel`` = the unlocked
+    device pages of the window of the match's last *device* node (what 0.5.23's selection pin protects; the
+    best-match window's device nodes are among them), ``lb_whole`` /
     ``lb_cap`` = pages the whole / capped load-back restores now, ``back`` = pages an ``OTHER`` verdict's
     unlock returns to evictable, ``result`` = the verdict (``CONTINUE`` / ``NO_TOKEN`` / ``OTHER``).
     ``init_load_back`` reads ``lb_whole`` / ``lb_cap``; ``cache_finished_req`` reads ``freed`` (the
@@ -213,6 +215,7 @@ class Action:
     m: z3.ArithRef
     h_snap: z3.ArithRef
     own: z3.ArithRef
+    own_sel: z3.ArithRef
     lb_whole: z3.ArithRef
     lb_cap: z3.ArithRef
     back: z3.ArithRef
@@ -223,15 +226,16 @@ class Action:
     @staticmethod
     def fresh(tag: str) -> Action:
         return Action(*(z3.Int(f"{name}_arg@{tag}") for name in
-                        ("e", "host_full", "m", "h_snap", "own", "lb_whole", "lb_cap", "back", "freed", "n",
-                         "result")))
+                        ("e", "host_full", "m", "h_snap", "own", "own_sel", "lb_whole", "lb_cap", "back", "freed",
+                         "n", "result")))
 
     def walk_facts(self, s: State) -> list[z3.BoolRef]:
         """What the reference's tree guarantees about an ``add_one_req`` call's numbers: a request with something to
         extend, a window whose unlocked device pages are evictable (inside ``room``), a capped restore of at most
         one page-rounded window that is no bigger than the whole one and not empty when the whole one is not."""
         return [self.e >= 1, self.host_full >= 0, self.e - self.host_full >= 1, self.m >= 0, self.h_snap >= 0,
-                self.own >= 0, self.own <= s.room, self.lb_cap >= 0, self.lb_cap <= self.lb_whole,
+                self.own >= 0, self.own <= self.own_sel, self.own_sel <= s.room, self.lb_cap >= 0,
+                self.lb_cap <= self.lb_whole,
                 self.lb_cap * s.P <= ceil_p_term(s.W, s.P), z3.Implies(self.lb_whole >= 1, self.lb_cap >= 1)]
 
     def fresh_match(self) -> z3.BoolRef:
@@ -284,9 +288,11 @@ def decide(policy: Policy, s: State, a: Action, v: Variant = SOUND) -> tuple[Dec
     P, W = s.P, s.W
     e_after = a.e - a.host_full
     rem_out = s.room * P - s.offset
-    rem_in = (s.room - a.own) * P - s.offset
+    upstream_0523 = policy is Policy.UPSTREAM_0523
+    pinned = a.own_sel if upstream_0523 else a.own  # 0.5.23 selects under a pin of the last device node
+    rem_in = (s.room - pinned) * P - s.offset
     limit, limited = s.rem_chunk, s.chunking
-    if policy is Policy.UPSTREAM_0523:
+    if upstream_0523:
         passes, limit = check_prefill_terms(e_after, a.m, a.h_snap * P, rem_in, s.T * P, W, P, s.rem_chunk,
                                             s.chunking)
         budget = estimate_swa_kv_tokens_term(ceil_p_term(e_after, P), a.m, W, P, s.rem_chunk, s.chunking,
@@ -306,7 +312,9 @@ def decide(policy: Policy, s: State, a: Action, v: Variant = SOUND) -> tuple[Dec
         passes = z3.And(fits(rem_out), fits(rem_in)) if v.recheck else fits(rem_out)
     capped = policy is Policy.CORRECTED if v.capped_load is None else v.capped_load
     lb = a.lb_cap if capped else a.lb_whole
-    load_ok = lb <= s.room - a.own
+    if upstream_0523:  # load-back only when the match found a host hit (needs_host_load_back)
+        lb = z3.If(z3.Or(a.host_full > 0, a.h_snap > 0), lb, 0)
+    load_ok = lb <= s.room - pinned
     epages = ceil_div_term(e_after, P)
     whole = z3.Or(z3.Not(limited), epages * P <= limit)
     trunc = floor_p_term(limit, P)
@@ -350,8 +358,10 @@ def add_one_req(s: State, a: Action, t: State, *, policy: Policy = Policy.CORREC
     rem_after = room_after * s.P - (s.offset + d.reserve)
     chunk_after = s.rem_chunk - z3.If(s.chunking, d.input_tokens, 0)
     chunked_after = z3.Or(s.chunked, d.chunked)
+    # 0.5.23's budget_state does not stop at a chunked request
+    stop_at_chunk = z3.BoolVal(False) if policy is Policy.UPSTREAM_0523 else chunked_after
     verdict = z3.If(rem_after <= 0, NO_TOKEN,
-                    z3.If(z3.Or(chunked_after, z3.And(s.chunking, chunk_after <= 0)), OTHER, CONTINUE))
+                    z3.If(z3.Or(stop_at_chunk, z3.And(s.chunking, chunk_after <= 0)), OTHER, CONTINUE))
     refused = z3.And(a.result == NO_TOKEN, *_frame(s, t))
     taken = a.own + d.lb
     gave_up = z3.And(a.result == OTHER, a.back >= 0, a.back <= taken, t.room == s.room - taken + a.back,
@@ -360,6 +370,10 @@ def add_one_req(s: State, a: Action, t: State, *, policy: Policy = Policy.CORREC
                       t.pending == s.pending + d.chunk_pages, t.offset == s.offset + d.reserve,
                       t.rem_chunk == chunk_after, t.chunked == chunked_after,
                       *_frame(s, t, "room", "locked", "pending", "offset", "rem_chunk", "chunked"))
+    if policy is Policy.UPSTREAM_0523:  # 0.5.23 decides the chunk before loading back: OTHER changes nothing
+        unchanged = z3.And(a.result == OTHER, *_frame(s, t))
+        return z3.And(s.open, *a.walk_facts(s),
+                      z3.If(z3.Not(d.passes), refused, z3.If(d.other, unchanged, z3.And(d.load_ok, admitted))))
     return z3.And(s.open, *a.walk_facts(s),
                   z3.If(z3.Not(d.passes), refused, z3.And(d.load_ok, z3.If(d.other, gave_up, admitted))))
 

@@ -2,8 +2,9 @@
 
 Written up in ``docs/sglang-findings.md``. :data:`FINDINGS` lists every divergence
 the suites report against ``kvproof.conformance.adapters.sglang:SGLangSWAAllocator``
-(``swa_allocator``, ``loc_cache``, ``decode_prealloc``) and
-``kvproof.conformance.adapters.sglang_host:SGLangHostPool`` (``hisparse_host``); :func:`classify` maps a
+(``swa_allocator``, ``loc_cache``, ``decode_prealloc``),
+``kvproof.conformance.adapters.sglang_host:SGLangHostPool`` (``hisparse_host``) and
+``kvproof.conformance.adapters.sglang_admission:SGLangAdmission`` (``admission``); :func:`classify` maps a
 failure message to its finding (``None``: an unexplained divergence, which is new).
 The ``reproduce_*`` functions build SGLang's classes directly (no kvproof adapter in
 the loop) and return what they observed; ``tests/adapters/test_sglang.py`` asserts
@@ -25,6 +26,7 @@ __all__ = [
     "reproduce_alloc_decode_leak",
     "reproduce_host_backup_not_atomic",
     "reproduce_p1_free_released_swa",
+    "reproduce_window_tombstone_starves",
 ]
 
 
@@ -58,6 +60,17 @@ FINDINGS: tuple[Finding, ...] = (
             (r"eager_backup_previous_token failed with OutOfMemory but changed the allocator",
              r"eager_backup_previous_token: .*SGLang did not roll back",
              r"eager_backup_previous_token returned \d+ indices, the reference returned \d+")),
+    # admission (adapters.sglang_admission:SGLangAdmission, --budget upstream_0523)
+    Finding("F4", "admission: SWAPrefillBudget refuses forever, on an idle pool, a request whose sliding window "
+                  "holds a host tombstone longer than the SWA pool (S9 persists in 0.5.23: the match counts whole "
+                  "tombstones, the never-fits chunk cap subtracts them too)", "sglang-bug",
+            (r"liveness violated: .*\(S9: the budget charges the window's host tombstones whole.*policy "
+             r"upstream_0523\)",)),
+    Finding("F5", "admission: 0.5.23's selection pin of the match's last device node makes SWAPrefillBudget count "
+                  "device SWA outside the request's window as taken: a request whose window is a host tombstone "
+                  "under a Full host prefix is refused forever on an idle pool it fits", "sglang-bug",
+            (r"liveness violated: .*\(the selection pin of node -?\d+, the match's last device node, protects "
+             r"\d+ device SWA page\(s\) outside the request's window, policy upstream_0523\)",)),
 )
 
 
@@ -155,3 +168,43 @@ def reproduce_host_backup_not_atomic() -> dict[str, Any]:
         error = str(err)
     return {"error": error, "free_before": free_before, "free_after": host.available_size(),
             "allocated_len": [int(x) for x in alloc_len.tolist()], "skip_first_backup": skip}
+
+
+class _BudgetTree:
+    """The four things ``SWAPrefillBudget`` reads from a tree cache (upstream_0523_vllm_fuzz.md §1.4): an idle tree,
+    nothing evictable."""
+
+    def __init__(self, window: int) -> None:
+        self.sliding_window_size = window
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def full_evictable_size(self) -> int:
+        return 0
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+
+def reproduce_window_tombstone_starves(rounds: int = 3) -> dict[str, Any]:
+    """F4: S9's numbers on 0.5.23's real ``SWAPrefillBudget`` over its real ``SWATokenToKVPoolAllocator``.
+
+    P = 2, W = 4, an SWA pool of 8 pages (16 tokens), chunked prefill of 8 tokens, nothing locked, running or
+    reserved. A request matched a 24-token prefix whose SWA lives only on host as one tombstone node: the match
+    reports ``swa_host_hit_length = 24`` (0.5.23's ``SWAComponent.finalize_match_result`` adds whole tombstones,
+    see its ``TODO(hzh)``), although load-back needs only the window, ``ceil_P(W) = 4`` tokens. One token to
+    extend, no decode. Every round builds a fresh budget (as ``PrefillAdder`` does) and asks ``check_prefill``.
+    """
+    w, p, pages, chunk, h = 4, 2, 8, 8, 24
+    a = _sglang_allocator(size=1 << 12, size_swa=pages * p, page_size=p)
+    verdicts = []
+    for _ in range(rounds):
+        budget = a.create_prefill_budget(_BudgetTree(w))
+        verdicts.append(budget.check_prefill(extend_input_len=1, total_tokens=1 + p, max_new_tokens=0,
+                                             input_tokens=h + 1, swa_host_hit_length=h, chunk_limit=chunk))
+    capped = a.create_prefill_budget(_BudgetTree(w)).check_prefill(
+        extend_input_len=1, total_tokens=1 + p, max_new_tokens=0, input_tokens=h + 1,
+        swa_host_hit_length=-(-w // p) * p, chunk_limit=chunk)
+    return {"verdicts": verdicts, "remaining_swa": a.create_prefill_budget(_BudgetTree(w)).remaining_swa,
+            "size_swa": a.size_swa, "with_window_capped_host_hit": capped}

@@ -65,7 +65,9 @@ def test_upstream_27391_starves_a_request_that_fits_the_empty_pool_s9_shrunk() -
     failure = report.failure or ""
     print(failure.split("Failing test case")[0])
     assert f"was refused in {STARVATION_BOUND} idle rounds" in failure, failure
-    assert "although it fits the empty pool" in failure and "(S9, policy upstream_27391)" in failure
+    assert "although it fits the empty pool" in failure
+    assert "(S9: the budget charges the window's host tombstones whole" in failure
+    assert failure.split("operations so far")[0].rstrip().endswith("policy upstream_27391)")
     assert "24 of them host tombstones" in failure
     round_ = ["get_new_batch_prefill", "match_prefix_for_req", "add_one_req"]
     assert _steps(failure) == ["arrive", *round_, "prepare_for_extend", *round_]
@@ -74,7 +76,7 @@ def test_upstream_27391_starves_a_request_that_fits_the_empty_pool_s9_shrunk() -
 def test_upstream_0523_starves_too_and_corrected_does_not_on_the_same_config() -> None:
     report = run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="dev", failures_dir=None,
                        policy="upstream_0523")
-    assert "(S9, policy upstream_0523)" in (report.failure or "")
+    assert "(S9: the budget charges the window's host tombstones whole" in (report.failure or "")
     assert run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="dev", failures_dir=None,
                      policy="corrected").passed
 

@@ -129,6 +129,55 @@ def test_s9_pre_27391_admits_and_load_back_runs_out() -> None:
     assert (err.value.op, err.value.pages_needed, err.value.pages_free) == ("init_load_back", 64, 32)
 
 
+# ---- 0.5.23's selection pin (F5, docs/sglang-findings.md) --------------------------------------------
+
+
+def host_prefix(policy: Policy) -> tuple[ad.AdmissionState, int]:
+    """P=2, W=4, 8 pages, chunk 6: a device node (4 tokens, its SWA on device) above a Full host prefix whose last
+    node is a 4-token host tombstone; another device node elsewhere. A request extends the tombstone by 5 tokens."""
+    nodes = [ad.Node(parent=-1, length=4, full_on_device=True, swa=DEVICE),
+             ad.Node(parent=0, length=2, full_on_device=False, swa=HOST),
+             ad.Node(parent=1, length=4, full_on_device=False, swa=HOST),
+             ad.Node(parent=-1, length=4, full_on_device=True, swa=DEVICE)]
+    state = ad.initial_state(config(policy, swa_pages=8, chunk=6, window=4, page=2), nodes)
+    return ad.arrive(state, 15, 0, 2)
+
+
+def test_upstream_0523_pins_the_last_device_node_and_refuses_forever_what_fits() -> None:
+    """The pin protects node 0 (2 pages outside the request's window): 12 tokens left for a 12-token estimate."""
+    state, rid = host_prefix(Policy.UPSTREAM_0523)
+    assert ad.last_device_node(state, 2) == 0 and ad.window_walk(state, 2).nodes == (2,)
+    assert ad.fits_empty_pool(state, rid)
+    for _ in range(3):
+        before = state
+        state, result = admit(state, rid)
+        assert result is ad.AddReqResult.NO_TOKEN
+        state = checked(ad.prepare_for_extend(state))
+        assert state.model_copy(update={"requests": before.requests}) == before  # nothing changed, every round
+    # unpinned, the same estimate fits: the reference's other policies admit in the first round
+    for policy in (Policy.UPSTREAM_27391, Policy.CORRECTED):
+        state, rid = host_prefix(policy)
+        state, result = admit(state, rid)
+        assert state.requests[rid].status is ad.ReqStatus.ADMITTED, policy
+        assert state.requests[rid].locked == (2,) and state.nodes[0].lock_ref == 0  # the pin is gone
+
+
+def test_upstream_0523_decides_the_chunk_before_loading_back() -> None:
+    """A chunk limit below a page: OTHER, and nothing was loaded back (0.5.23 selects before init_load_back)."""
+    nodes = [ad.Node(parent=-1, length=2, full_on_device=True, swa=HOST)]
+    state = ad.initial_state(config(Policy.UPSTREAM_0523, swa_pages=16, chunk=3, window=4, page=2), nodes)
+    state, first = ad.arrive(state, 4, 0, -1)  # 4 tokens: the chunk of 3 takes 2 (rem_chunk 3 -> 1 after ceil 2)
+    state, second = ad.arrive(state, 9, 0, 0)
+    state = ad.match_prefix_for_req(ad.get_new_batch_prefill(state), first)
+    state, result = ad.add_one_req(state, first)
+    # a chunk of 2 was admitted; 0.5.23's budget_state goes on (rem_chunk 1 > 0), the next add finds no page
+    assert result is ad.AddReqResult.CONTINUE and state.adder is not None and state.adder.rem_chunk_tokens == 1
+    state = ad.match_prefix_for_req(state, second)
+    after, result = ad.add_one_req(state, second)
+    assert result is ad.AddReqResult.OTHER and after == state  # the tombstone of node 0 is still on host
+    assert after.nodes[0].swa is HOST
+
+
 # ---- stale match-time value (§5.7) ------------------------------------------------------------------
 
 

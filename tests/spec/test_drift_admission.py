@@ -65,7 +65,9 @@ def walk_action(state: ad.AdmissionState, rid: int) -> Values:
     """What ``add_one_req`` / ``init_load_back`` read of the tree now, and the match-time snapshot."""
     req, p = state.requests[rid], state.config.page_size
     walk = ad.window_walk(state, req.node)
-    out: Values = {"m": req.max_new_tokens, "own": walk.unlocked_device_pages, "lb_whole": walk.host_tokens // p,
+    own_sel = ad.window_walk(state, ad.last_device_node(state, req.node)).unlocked_device_pages
+    out: Values = {"m": req.max_new_tokens, "own": walk.unlocked_device_pages, "own_sel": own_sel,
+                   "lb_whole": walk.host_tokens // p,
                    "lb_cap": walk.capped_tokens // p}
     if req.match is not None:
         e_after = req.prompt_len - ad.path_len(state, req.node)
@@ -176,6 +178,26 @@ def _with_locked(state: ad.AdmissionState, rid: int, held: tuple[int, ...]) -> a
     return state.model_copy(update={"requests": tuple(reqs)})
 
 
+def pinned_samples() -> list[Sample]:
+    """0.5.23's selection pin, which random trees rarely reach: the best-match window is a host tombstone under a
+    Full host node, the last device node's window holds unlocked device SWA the pin protects. Pinned, the request
+    (5 tokens to extend, a 4-token tombstone) needs 12 tokens and 12 are left: refused; unpinned, 16: admitted."""
+    node = functools.partial(ad.Node, full_on_device=True)
+    nodes = (node(parent=-1, length=4, swa=ad.SwaValue.DEVICE),
+             node(parent=0, length=2, swa=ad.SwaValue.HOST, full_on_device=False),
+             node(parent=1, length=4, swa=ad.SwaValue.HOST, full_on_device=False),
+             node(parent=-1, length=4, swa=ad.SwaValue.DEVICE))
+    config = ad.AdmissionConfig(page_size=2, sliding_window=4, swa_pages=8, chunk_size=6, policy=Policy.UPSTREAM_0523)
+    tracker = Tracker(random.Random(0), Policy.UPSTREAM_0523)
+    tracker.state, _ = ad.arrive(ad.initial_state(config, nodes), 15, 0, 2)
+    out = [tracker._run("get_new_batch_prefill", {}, functools.partial(ad.get_new_batch_prefill, tracker.state)),
+           tracker._run("match_prefix_for_req", {}, functools.partial(ad.match_prefix_for_req, tracker.state, 0))]
+    out.append(tracker._run("add_one_req", walk_action(tracker.state, 0),
+                            functools.partial(ad.add_one_req, tracker.state, 0)))
+    assert out[-1].action["result"] == spec.NO_TOKEN and out[-1].action["own_sel"] > out[-1].action["own"]
+    return out
+
+
 @functools.cache
 def samples() -> tuple[Sample, ...]:
     out: list[Sample] = []
@@ -183,6 +205,7 @@ def samples() -> tuple[Sample, ...]:
         policy = list(Policy)[seed % len(Policy)]
         tracker = Tracker(random.Random(seed), policy)
         out += [tracker.step() for _ in range(STEPS)]
+    out += pinned_samples()
     return tuple(s for s in out if s.op != "arrive")  # arrivals change nothing the model counts
 
 
@@ -197,7 +220,8 @@ def state_pins(s: spec.State, v: Values) -> Pins:
     return [(getattr(s, name), _v(v[name])) for name in (f.name for f in dataclasses.fields(s))]
 
 
-ACTION_FIELDS = ("e", "host_full", "m", "h_snap", "own", "lb_whole", "lb_cap", "back", "freed", "n", "result")
+ACTION_FIELDS = ("e", "host_full", "m", "h_snap", "own", "own_sel", "lb_whole", "lb_cap", "back", "freed", "n",
+                 "result")
 
 
 def action_pins(a: spec.Action, v: Values, *, free_result: bool = False) -> Pins:
