@@ -390,6 +390,11 @@ class AdmissionRuntime:
                 self._dec_lock_ref(held)
                 return AddReqResult.OTHER
             extend, input_tokens, max_new, chunked = trunc, trunc, 0, True
+        return self._commit(rid, adder, prefix, extend, input_tokens, max_new, chunked)
+
+    def _commit(self, rid: int, adder: _Adder, prefix: int, extend: int, input_tokens: int, max_new: int,
+                chunked: bool) -> AddReqResult:
+        """An admission: the reservation, the request in ``can_run`` (its lock already in ``locked``)."""
         self.update_prefill_budget(input_tokens, max_new)
         adder.can_run.append(rid)
         if chunked:
@@ -428,12 +433,7 @@ class AdmissionRuntime:
                 raise
         self.locked[rid] = self._inc_lock_ref(node)
         self._dec_lock_ref(pin)
-        self.update_prefill_budget(input_tokens, max_new)
-        adder.can_run.append(rid)
-        if chunked:
-            adder.new_chunked = rid
-        self.reqs[rid, _STAT], self.reqs[rid, _PREFIX], self.reqs[rid, _EXTEND] = _ADMITTED, prefix, extend
-        return self._budget_state()
+        return self._commit(rid, adder, prefix, extend, input_tokens, max_new, chunked)
 
     def update_prefill_budget(self, input_tokens: int, max_new_tokens: int) -> None:
         """The reservation without the host term (load-back already took its pages); ``rem_chunk -= ceil_P(e)``."""

@@ -643,13 +643,7 @@ def add_one_req(state: AdmissionState, rid: int) -> tuple[AdmissionState, AddReq
         if trunc <= 0:  # no room for a page: the lock is released, the loaded nodes stay (evictable)
             return _set_request(dec_lock_ref(loaded, held), rid, req), AddReqResult.OTHER
         extend, input_tokens, max_new, chunked = trunc, trunc, 0, True
-    new_adder = update_prefill_budget(adder, c, input_tokens, max_new)
-    new_adder = new_adder.model_copy(update={"can_run": (*adder.can_run, rid),
-                                             "new_chunked_req": rid if chunked else adder.new_chunked_req})
-    admitted = req.model_copy(update={"status": ReqStatus.ADMITTED, "locked": held, "prefix_len": prefix,
-                                      "extend_len": extend})
-    out = _set_request(loaded, rid, admitted).model_copy(update={"adder": new_adder})
-    return out, _budget_state(out)
+    return _commit(loaded, rid, req, held, prefix, extend, input_tokens, max_new, chunked)
 
 
 def last_device_node(state: AdmissionState, node: int) -> int:
@@ -687,12 +681,19 @@ def _add_one_req_0523(state: AdmissionState, rid: int, adder: PrefillAdder, req:
         loaded, _ = _load_back(pinned, rid, req)
     loaded, held = inc_lock_ref(loaded, req.node)  # the commit's lock
     loaded = dec_lock_ref(loaded, pin)
-    new_adder = update_prefill_budget(adder, c, input_tokens, max_new)
+    return _commit(loaded, rid, req, held, prefix, extend, input_tokens, max_new, chunked)
+
+
+def _commit(state: AdmissionState, rid: int, req: Request, held: tuple[int, ...], prefix: int, extend: int,
+            input_tokens: int, max_new: int, chunked: bool) -> tuple[AdmissionState, AddReqResult]:
+    """An admission: the reservation (``update_prefill_budget``), the request in ``can_run`` holding its lock."""
+    adder = _open_adder(state, "add_one_req")
+    new_adder = update_prefill_budget(adder, state.config, input_tokens, max_new)
     new_adder = new_adder.model_copy(update={"can_run": (*adder.can_run, rid),
                                              "new_chunked_req": rid if chunked else adder.new_chunked_req})
     admitted = req.model_copy(update={"status": ReqStatus.ADMITTED, "locked": held, "prefix_len": prefix,
                                       "extend_len": extend})
-    out = _set_request(loaded, rid, admitted).model_copy(update={"adder": new_adder})
+    out = _set_request(state, rid, admitted).model_copy(update={"adder": new_adder})
     return out, _budget_state(out)
 
 
