@@ -38,11 +38,16 @@ The policy is one typed parameter, :class:`AdmissionPolicy`:
   with the match-time value. Safe when that value is what load-back restores (A1); starves a
   request whose window holds a host tombstone longer than the pool (S9) and undercounts when the
   tree changed since the match (§5.7);
-* ``UPSTREAM_0523`` (0.5.23, ``SWAPrefillBudget``): one check inside the lock with
+* ``UPSTREAM_0523`` (0.5.23, ``SWAPrefillBudget``): one check, under a pin of the match's last
+  *device* node (:func:`last_device_node`), with
   ``needed = estimate_swa_kv_tokens(ceil_P(e'), m, W, P, L=rem_chunk, h) < remaining_swa``
   (``e'`` excludes the Full host hit); a request that can *never* fit (``needed >= size_swa``) gets a
   chunk of ``min(L, floor_P(remaining - estimate(0, m, h)))`` when that is positive (#31681 as
-  restricted by #32700); the reservation omits ``h``;
+  restricted by #32700); the chunk is decided before load-back (``OTHER`` changes nothing), load-back
+  runs only when the match found a host hit (``needs_host_load_back``), the commit locks the
+  best-match window and drops the pin; the reservation omits ``h``; ``budget_state`` does not stop at
+  a chunked request. Checked step by step against SGLang 0.5.23's real ``PrefillAdder``
+  (``kvproof.conformance.adapters.sglang_admission``; docs/sglang-findings.md F4, F5);
 * ``CORRECTED`` (kvproof's): the budget of ``UPSTREAM_27391`` with three changes, each needed:
   (1) the host term is what load-back *can restore within the window*: a host tombstone at covered
   length ``c`` contributes ``min(len, ceil_P(W - c))`` tokens, and :func:`init_load_back` restores
@@ -63,8 +68,9 @@ most one page-rounded window would admit from an empty idle pool.
 
 * the Full pool is not modelled (it is assumed large enough; #27391 is about the SWA pool); Full
   load-back always succeeds and only moves the prefix;
-* ``init_load_back`` always restores the walk it finds at lock time (upstream triggers it from the
-  match-time lengths, ``needs_host_load_back``); a failed load-back raises :class:`OutOfMemory` and
+* ``init_load_back`` restores the walk it finds at lock time, under the seed-era policies whatever
+  the match found (upstream triggers it from the match-time lengths, ``needs_host_load_back``, as
+  ``UPSTREAM_0523`` here does); a failed load-back raises :class:`OutOfMemory` and
   changes nothing (upstream rolls back and prefills the host part again): admission promised those
   pages (A1);
 * eviction tombstones unlocked device SWA nodes in ascending node index (the reference's stand-in

@@ -208,3 +208,80 @@ def reproduce_window_tombstone_starves(rounds: int = 3) -> dict[str, Any]:
         swa_host_hit_length=-(-w // p) * p, chunk_limit=chunk)
     return {"verdicts": verdicts, "remaining_swa": a.create_prefill_budget(_BudgetTree(w)).remaining_swa,
             "size_swa": a.size_swa, "with_window_capped_host_hit": capped}
+
+
+class _PinTree(_BudgetTree):
+    """F5's tree, as ``PrefillAdder`` sees it: node ``"a"`` (4 tokens, device Full and SWA) under the root, then a
+    Full host prefix ``"b"`` (2 tokens) and ``"c"`` (4 tokens, its SWA a host tombstone), and another device node
+    elsewhere. Locking a node protects the device SWA of the window (W = 4 tokens) ending at it: ``lock("a")`` pins
+    a's 4 tokens; ``lock("c")`` covers the window with c's tombstone and pins nothing. ``pin_device_match=False``
+    is the counterfactual lock that protects nothing for ``"a"`` either."""
+
+    buffer_pipeline = None
+    disable = False
+
+    def __init__(self, *, pin_device_match: bool = True) -> None:
+        super().__init__(window=4)
+        self.evictable, self.pinned, self.pin_device_match = 8, 0, pin_device_match  # a's 4 + the other node's 4
+        self.loaded = False
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def swa_evictable_size(self) -> int:
+        return self.evictable - self.pinned
+
+    def lock(self, node: str) -> int:
+        tokens = 4 if node == "a" and self.pin_device_match else 0
+        self.pinned += tokens
+        return tokens
+
+    def unlock(self, tokens: int) -> None:
+        self.pinned -= tokens
+
+    def init_load_back(self, params: Any) -> tuple[int, str]:
+        self.loaded = True  # the Full host hit and c's window come back (their pages are not the point here)
+        return params.host_hit_length, params.best_match_node
+
+    def load_back_is_cache_owned(self) -> bool:
+        return False
+
+    def finish_storage_prefetch_admission(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def discard_storage_prefetch_accounting(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def reproduce_selection_pin_starves(rounds: int = 3) -> dict[str, Any]:
+    """F5: 0.5.23's ``PrefillAdder.add_one_req`` on an idle pool, its real ``SWAPrefillBudget`` and allocator.
+
+    P = 2, an SWA pool of 8 pages (16 tokens) of which the tree's two device nodes hold 4 (evictable), chunked
+    prefill of 6 tokens. The request (15 tokens) matched ``"a"`` on device (``prefix_len`` 4, ``last_node`` "a")
+    and the Full host prefix b, c (``host_hit_length`` 6, ``best_match_node`` "c"); its window is c's 4-token
+    host tombstone (``swa_host_hit_length`` 4). ``add_one_req`` selects under ``_lock_node(req.last_node)``: the pin
+    of a's window leaves ``remaining_swa`` 12, and the estimate of 5 tokens to extend plus the 4 to load back is
+    12: refused, in every round. With a lock that does not pin a (whose SWA is outside the request's window) 16 are
+    left and the same request is admitted.
+    """
+    from array import array
+
+    from kvproof.conformance.adapters.sglang_admission import _publish_server_args, load_sglang_scheduler
+
+    sg = load_sglang_scheduler()
+    _publish_server_args(2)
+
+    def one_round(tree: _PinTree) -> tuple[str, int, bool]:
+        a = _sglang_allocator(size=1 << 12, size_swa=16, page_size=2)
+        a.swa_attn_allocator.alloc(8)  # the SWA pages of the tree's two device nodes
+        adder = sg.PrefillAdder(2, tree, a, None, 1.0, 1 << 20, 6)
+        req = sg.Req("r", "", array("q", range(15)), sg.SamplingParams(max_new_tokens=0))
+        req.refresh_fill_ids()
+        req.prefix_len, req.last_node, req.best_match_node = 4, "a", "c"
+        req.host_hit_length, req.swa_host_hit_length = 6, 4
+        remaining = int(adder.memory_budget.remaining_swa)
+        result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+        return result.name, remaining, req in adder.can_run_list
+
+    pinned = [one_round(_PinTree()) for _ in range(rounds)]
+    return {"pinned": pinned, "unpinned": one_round(_PinTree(pin_device_match=False))}
