@@ -8,6 +8,12 @@ random). Every one must pass every suite it declares, on every default config, u
 with ``kvproof conform --profile nightly --impl tests.legal.swa_allocator:fifo`` (and the
 other factories below; ``PYTHONPATH=.``).
 
+``admission`` runs under its default budget (``corrected``) like every other component, and
+under every ``--budget`` value against kvproof's own runtime's verdicts (:data:`RUNTIME_VERDICTS`):
+``pre_27391``, ``upstream_27391`` and ``upstream_0523`` break A1 (S8) or liveness (S9) on some
+configs, which is a property of the budget, not of the implementation: a legal system must fail
+there with the runtime's verdict and pass everywhere else.
+
 Observation 1 is the saved vector ``vectors/swa_allocator-fifo-P4-W6-F48-S24-remap.json``: a
 FIFO allocator's first ``ci`` run of P4-W6-F48-S24 failed, after ``set_full_to_swa_mapping``,
 on KV rows of SWA slots the request never wrote (left there by a freed request). The same
@@ -26,11 +32,13 @@ import pytest
 import torch
 
 from kvproof.conformance.check import get_suite, replay_vector, run_check
+from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference import swa_allocator as ref
+from kvproof.reference.admission import AdmissionPolicy
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.registry import Component
 
-from . import hisparse_host, loc_cache, swa_allocator
+from . import admission, hisparse_host, loc_cache, swa_allocator
 
 VECTORS = Path(__file__).parent / "vectors"
 REMAP_VECTOR = VECTORS / "swa_allocator-fifo-P4-W6-F48-S24-remap.json"
@@ -39,10 +47,16 @@ DECODE_VECTOR = VECTORS / "decode_prealloc-fifo-P4-W6-F48-S24-free-then-decode.j
 #: name (as ``--impl`` spells it) -> factory, for every legal implementation
 LEGAL: dict[str, Any] = {
     f"tests.legal.{module.__name__.rsplit('.', 1)[-1]}:{name}": getattr(module, name)
-    for module in (swa_allocator, loc_cache, hisparse_host) for name in ("fifo", "lifo", "randomized")
+    for module in (swa_allocator, loc_cache, hisparse_host, admission) for name in ("fifo", "lifo", "randomized")
 }
 LEGAL |= {f"tests.legal.swa_allocator:{name}": getattr(swa_allocator, name)
           for name in ("fifo_small", "lifo_small", "randomized_small")}
+
+
+def _module_component(impl: str) -> Component:
+    """The component a legal module is named after (``tests.legal.loc_cache:fifo`` -> ``loc_cache``): its configs
+    build the probe that asks the factory which components it serves."""
+    return Component(impl.split(":")[0].rsplit(".", 1)[-1])
 
 
 def _cases(*, small: bool = True) -> list[Any]:
@@ -50,7 +64,7 @@ def _cases(*, small: bool = True) -> list[Any]:
     for impl, factory in LEGAL.items():
         if impl.endswith("_small") and not small:
             continue
-        probe = get_suite(Component.HISPARSE_HOST if "hisparse_host" in impl else Component.SWA_ALLOCATOR).configs[0]
+        probe = get_suite(_module_component(impl)).configs[0]
         for component in sorted(factory(probe).components):
             suite = get_suite(component)
             for config in suite.configs:
@@ -65,10 +79,7 @@ SHORT_CASES = _cases(small=False)
 
 
 #: components without legal implementations yet, each with the reason (a stale entry fails the test below)
-NOT_YET: dict[Component, str] = {
-    Component.ADMISSION: "issue 12 (in progress): a legal admission system (its own tree, budget and load-back "
-                         "over an SWA pool with FIFO / LIFO / random page reuse) is not written yet",
-}
+NOT_YET: dict[Component, str] = {}
 
 
 def test_every_component_has_legal_implementations() -> None:
@@ -82,8 +93,8 @@ def test_every_component_has_legal_implementations() -> None:
         assert names >= {"fifo", "lifo", "randomized"}, component
 
 
-def _passes(impl: str, component: Component, config: Any, profile: str) -> None:
-    report = run_check(component, LEGAL[impl], config, profile=profile, impl_name=impl, failures_dir=None)
+def _passes(impl: str, component: Component, config: Any, profile: str, **options: Any) -> None:
+    report = run_check(component, LEGAL[impl], config, profile=profile, impl_name=impl, failures_dir=None, **options)
     assert report.passed, report.failure
     assert report.steps > 0 and report.outcomes.get("ok", 0) > 0
 
@@ -99,6 +110,64 @@ def test_legal_implementation_passes_short_profiles(impl: str, component: Compon
                                                      profile: str) -> None:
     """``smoke`` is randomized: every run draws new examples."""
     _passes(impl, component, config, profile)
+
+
+# ------------------------------------------------------------------ admission under every --budget
+
+P27391, U27391, U0523, CORRECTED = (AdmissionPolicy.PRE_27391, AdmissionPolicy.UPSTREAM_27391,
+                                    AdmissionPolicy.UPSTREAM_0523, AdmissionPolicy.CORRECTED)
+A1_ADD, A1_ROUND, LIVENESS = ("A1 violated: add_one_req admitted", "A1 violated: 'Prefill out of memory'",
+                              "liveness violated:")
+#: kvproof's runtime under each ``--budget`` on each admission config (``ci``; tests/conformance/test_admission.py
+#: pins S8 and S9 on ``long_tombstone``): ``None`` it passes, else the opening words of its verdict
+RUNTIME_VERDICTS: dict[tuple[AdmissionPolicy, str], str | None] = {
+    (P27391, "shared"): None, (P27391, "long_tombstone"): A1_ADD, (P27391, "page_edge"): A1_ROUND,
+    (P27391, "no_chunk"): A1_ADD,
+    (U27391, "shared"): None, (U27391, "long_tombstone"): LIVENESS, (U27391, "page_edge"): None,
+    (U27391, "no_chunk"): LIVENESS,
+    (U0523, "shared"): None, (U0523, "long_tombstone"): LIVENESS, (U0523, "page_edge"): None,
+    (U0523, "no_chunk"): LIVENESS,
+    (CORRECTED, "shared"): None, (CORRECTED, "long_tombstone"): None, (CORRECTED, "page_edge"): None,
+    (CORRECTED, "no_chunk"): None,
+}
+ADMISSION_SETUPS = {setup.name: setup for setup in get_suite(Component.ADMISSION).configs}
+ADMISSION_IMPLS = [impl for impl in LEGAL if impl.startswith("tests.legal.admission:")]
+
+
+def _budget_cases() -> list[Any]:
+    """Every budget but the default (``corrected`` runs in CASES): where the runtime passes, every page reuse; where
+    it fails, FIFO (the verdict comes from the decisions, which page reuse does not change)."""
+    cases = []
+    for (policy, name), verdict in RUNTIME_VERDICTS.items():
+        if policy is CORRECTED:
+            continue
+        for impl in ADMISSION_IMPLS if verdict is None else ADMISSION_IMPLS[:1]:
+            cases.append(pytest.param(impl, policy, ADMISSION_SETUPS[name], verdict,
+                                      id=f"{impl.split(':')[1]}-{policy.value}-{ADMISSION_SETUPS[name].label()}"))
+    return cases
+
+
+def test_the_runtime_verdicts_cover_every_budget_and_config() -> None:
+    assert set(RUNTIME_VERDICTS) == {(p, name) for p in AdmissionPolicy for name in ADMISSION_SETUPS}
+    assert [i.rsplit(":", 1)[1] for i in ADMISSION_IMPLS] == ["fifo", "lifo", "randomized"]
+
+
+@pytest.mark.parametrize(("impl", "policy", "config", "verdict"), _budget_cases())
+def test_legal_admission_fails_exactly_where_the_runtime_does(impl: str, policy: AdmissionPolicy, config: Any,
+                                                              verdict: str | None) -> None:
+    """On ``long_tombstone`` (S8, S9 in a few steps) the verdict is the runtime's word for word: same budget, same
+    decisions, so the same shrunk failure, message and trace."""
+    if verdict is None:
+        _passes(impl, Component.ADMISSION, config, "ci", policy=policy.value)
+        return
+    ours = run_check(Component.ADMISSION, LEGAL[impl], config, profile="ci", impl_name="impl", failures_dir=None,
+                     policy=policy.value)
+    assert not ours.passed, f"{policy.value} on {config.label()}: the runtime fails with {verdict!r}, legal passes"
+    assert (ours.failure or "").split("\n")[1].strip().startswith(verdict), ours.failure
+    if config.name == "long_tombstone":
+        theirs = run_check(Component.ADMISSION, AdmissionRuntime, config, profile="ci", impl_name="impl",
+                           failures_dir=None, policy=policy.value)
+        assert ours.failure == theirs.failure, theirs.failure
 
 
 # ------------------------------------------------------------------ observation 1: the saved vectors
@@ -220,3 +289,49 @@ def test_broken_variants_of_the_other_legal_implementations_are_caught(component
             assert evidence in (report.failure or ""), report.failure
             return
     pytest.fail(f"{variant.__name__} survived every config")
+
+
+# ------------------------------------------------------------------ admission: broken variants are caught
+
+
+class LoadBackWithoutLock(admission.LegalAdmission):
+    """Legal FIFO admission, except that ``add_one_req`` loads back (and admits) without taking the window lock."""
+
+    def _lock(self, node: admission._Node | None) -> list[admission._Node]:
+        return []
+
+
+class EvictionTakesLockedNodes(admission.LegalAdmission):
+    """Legal FIFO admission, except that eviction also tombstones nodes a request's window lock protects."""
+
+    def evict(self, num_pages: int) -> None:
+        freed = 0
+        for node in self.nodes:
+            if freed < num_pages and node.swa is admission.DEVICE:
+                freed += len(node.pages)
+                self._tombstone(node)
+
+
+class TombstoneKeepsItsPages(admission.LegalAdmission):
+    """Legal FIFO admission, except that an evicted node keeps its page ids (they are on the free list too).
+
+    Its decision state is right (tree, lock refs, counts): only the SWA page ids the snapshot reports show it.
+    """
+
+    def _tombstone(self, node: admission._Node) -> None:
+        self.free.release(node.pages)
+        node.swa = admission.HOST
+
+
+@pytest.mark.parametrize(("variant", "evidence"), [
+    (LoadBackWithoutLock, "lock_ref 0; reference"),
+    (EvictionTakesLockedNodes, "SWA host, lock_ref 1; reference"),
+    (TombstoneKeepsItsPages, "SWA pages, not 0"),
+], ids=["load_back_without_lock", "eviction_takes_locked_nodes", "tombstone_keeps_its_pages"])
+def test_broken_admission_variants_are_caught(variant: type[admission.LegalAdmission], evidence: str) -> None:
+    """Under the default budget (which the legal system passes on every config): the first config catches each."""
+    config = ADMISSION_SETUPS["shared"]
+    report = run_check(Component.ADMISSION, variant, config, profile="ci", impl_name=variant.__name__,
+                       failures_dir=None)
+    assert not report.passed, f"{variant.__name__} survived {config.label()}"
+    assert evidence in (report.failure or ""), report.failure
