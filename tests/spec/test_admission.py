@@ -181,8 +181,9 @@ def _concrete(state: ad.AdmissionState) -> spec.State:
 
 
 @pytest.mark.parametrize("policy", list(spec.Policy))
-@given(p=st.sampled_from([1, 2, 4, 64]), w=st.integers(1, 200), pages=st.integers(1, 40), done=st.integers(0, 300),
-       rest=st.integers(1, 400), m=st.integers(0, 100), offset=st.integers(0, 300), chunk=st.none() | st.integers(1, 600))
+@given(p=st.sampled_from([1, 2, 4, 64]), w=st.integers(1, 200), pages=st.integers(1, 40),
+       done=st.integers(0, 300), rest=st.integers(1, 400), m=st.integers(0, 100), offset=st.integers(0, 300),
+       chunk=st.none() | st.integers(1, 600))
 def test_continuation_terms(policy: spec.Policy, p: int, w: int, pages: int, done: int, rest: int, m: int,
                             offset: int, chunk: int | None) -> None:
     """``continuation`` against the reference's ``add_chunked_req`` and ``chunk_pages`` on a request with ``done`` own

@@ -2,12 +2,12 @@
 
 Seeded reference runs of ``kvproof.reference.admission`` (small random trees with device nodes, host tombstones
 and nodes without SWA, requests sharing them, rounds, evictions, completions, standalone load-backs, chunked
-requests cached and continued; sglang_semantics.md §5) call every scheduler operation. Each step is abstracted into the model's state
-(:class:`kvproof.spec.admission.State`: ``room`` = free + evictable pages, protected and held pages, the
-round's adder) and action (what the window walk finds now, the match-time value, the verdict) and checked
-against the transition of the same name in the policy's system with concrete values; a call the reference
-rejects (a misuse, or out of memory) has no successor in the model. Deliberately wrong transitions reject
-sampled steps, so these checks can fail.
+requests cached and continued; sglang_semantics.md §5) call every scheduler operation. Each step is abstracted
+into the model's state (:class:`kvproof.spec.admission.State`: ``room`` = free + evictable pages, protected and
+held pages, the round's adder) and action (what the window walk finds now, the match-time value, the verdict,
+a continuation's prompt left and own tokens) and checked against the transition of the same name in the
+policy's system with concrete values; a call the reference rejects (a misuse, or out of memory) has no
+successor in the model. Deliberately wrong transitions reject sampled steps, so these checks can fail.
 """
 
 from __future__ import annotations
