@@ -58,9 +58,10 @@ The policy is one typed parameter, :class:`AdmissionPolicy`:
   ``a1_corrected.snapshot_reused`` and ``live_idle_pool.pre_27391`` show what each change prevents.
 
 **Chunked prefill** (§5.3, last paragraph; upstream_0523_vllm_fuzz.md §1.2 ``available_chunk_tokens``), the
-same rules under every policy (§5.3 gives the seed era the same cap as 0.5.23). A request ``add_one_req``
-admits as a chunk (``new_chunked_req``) runs it (:func:`prepare_for_extend`) and still has prompt left. Its
-own tokens ``done`` (computed beyond the matched prefix, which is whole pages) are counted from that prefix:
+same rules under every policy (§5.3 gives the seed era the same cap as 0.5.23). A request that
+``add_one_req`` admits as a chunk (``new_chunked_req``) runs it (:func:`prepare_for_extend`) and still has
+prompt left. Its own tokens ``done`` (computed beyond the matched prefix, which is whole pages) are counted
+from that prefix:
 
 * :func:`cache_unfinished_req` (its round closed, the forward ran): ``prefix_len += extend_len`` and the
   request frees the SWA pages of its own tokens wholly below ``done - W``: after it, exactly

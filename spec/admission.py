@@ -19,7 +19,8 @@ any value: a stale one differs from ``lb_whole``). One relation per reference op
 it: :func:`get_new_batch_prefill`, :func:`match_prefix_for_req`, :func:`add_one_req`,
 :func:`init_load_back`, :func:`add_chunked_req`, :func:`prepare_for_extend`, :func:`evict`,
 :func:`cache_unfinished_req`, :func:`cache_finished_req`. A continuation enters through its action too: ``e`` =
-the prompt left, ``done`` = the tokens the request computed beyond its matched prefix (whole pages), ``m``.
+the prompt left, ``done`` = the tokens the request computed beyond its matched prefix (which is whole pages),
+``m``.
 ``tests/spec/test_drift_admission.py`` checks that each accepts the steps of seeded reference runs.
 
 A1 ("admitted => load-back and the next chunk's allocation succeed", §5.6): the decision terms of
