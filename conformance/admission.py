@@ -3,14 +3,18 @@
 Each config is an :class:`~kvproof.reference.admission.AdmissionSetup`: an SWA pool (``W``,
 ``P``, pages, chunk size) and the tree the server has cached, with prompts sharing prefixes,
 device SWA nodes, host tombstones shorter than, equal to and much longer than the window,
-and nodes with neither (a window walk stops there). The run option ``--budget`` picks the
+nodes with neither (a window walk stops there), and a chunk size that is not a page multiple (a
+continuation then ends inside a page). The run option ``--budget`` picks the
 prefill adder's budget (``pre_27391``, ``upstream_27391``, ``upstream_0523``, ``corrected``).
 
 The machine plays the scheduler: requests arrive at a best-match node with a prompt that
 extends it; a round (``get_new_batch_prefill``) matches the waiting requests in arrival
 order (``match_prefix_for_req``) and adds them (``add_one_req``: check, lock, re-check,
 load-back, chunk, reservation) until one is refused or the adder says stop; the round's
-batch allocates its chunks (``prepare_for_extend``); requests finish
+batch allocates its chunks (``prepare_for_extend``); a chunk that leaves prompt is cached before
+the next round opens (``cache_unfinished_req``: the prefix grows, out-of-window pages are freed)
+and continued first thing in that round, before any ``add_one_req`` (``add_chunked_req``: its next
+chunk, or deferred), as the scheduler does (§5.3); requests whose prompt is done finish
 (``cache_finished_req``); eviction runs at any time (``evict``, also between a match and
 the add, which makes upstream's match-time value stale, §5.7). Every operation runs on the
 reference and on the implementation: same outcome, same verdict, same state.
@@ -29,7 +33,12 @@ After every step:
 * **liveness**: a request that fits the empty pool (``fits_empty_pool``) and is refused in
   :data:`STARVATION_BOUND` rounds in which the pool was idle (nothing admitted, running,
   locked or reserved) is starved -- a refusal changes nothing, so it would be refused
-  forever (S9 with ``upstream_27391``).
+  forever (S9 with ``upstream_27391``). A chunked request holds pages and its window lock, so
+  the pool is not idle while one waits for its next chunk: its own deferral is the check. A
+  continuation deferred in :data:`STARVATION_BOUND` rounds in which nothing else held SWA
+  (every other request waiting or finished, nothing reserved before it) is deadlocked: a
+  deferral changes nothing, eviction cannot touch what it holds and nothing else will
+  finish, so it never runs and never releases its pages.
 """
 
 from __future__ import annotations
@@ -81,6 +90,10 @@ ADMISSION_CONFIGS: tuple[AdmissionSetup, ...] = (
     # node's, which 0.5.23's selection pin protects (found by driving SGLang's real PrefillAdder, F5)
     AdmissionSetup(name="host_prefix", config=_config(2, 4, 8, 6), nodes=(
         _node(-1, 4, DEVICE), _node(0, 2, HOST, full=False), _node(1, 4, HOST, full=False), _node(-1, 4, DEVICE))),
+    # a chunk of 2.5 pages: continuations end inside a page (their pages start past the partly filled one); W not a
+    # page multiple either, a device node under a tombstone the capped restore cuts
+    AdmissionSetup(name="unaligned_chunk", config=_config(4, 6, 11, 10), nodes=(
+        _node(-1, 8, DEVICE), _node(0, 8, HOST), _node(1, 4, DEVICE), _node(-1, 4, HOST))),
     # P = 1, chunked prefill off: tombstones of W and of 8 W
     AdmissionSetup(name="no_chunk", config=_config(1, 3, 12, None), nodes=(
         _node(-1, 2, DEVICE), _node(0, 3, HOST), _node(1, 1, DEVICE), _node(-1, 24, HOST), _node(3, 1, HOST))),
@@ -108,7 +121,9 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         self.queue: list[int] = []  # the open round's waiting requests, in arrival order, not yet added
         self.matched: set[int] = set()  # matched in the open round
         self.stopped = False  # the adder said stop (or refused the head): no more add_one_req this round
+        self.continuing: list[int] = []  # the open round's chunked requests, continued before any add_one_req
         self.idle_refusals: dict[int, int] = {}
+        self.idle_deferrals: dict[int, int] = {}
         # 0.5.23's scheduler matches each request right before its add (get_new_batch_prefill's loop); the seed-era
         # one matched the whole queue first, so an earlier load-back or an eviction could make a match stale (§5.7)
         self.match_each = c.policy is AdmissionPolicy.UPSTREAM_0523
@@ -127,6 +142,21 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
     def _running(self) -> list[int]:
         return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.RUNNING]
 
+    def _prompt_done(self, rid: int) -> bool:
+        r = self.ref.requests[rid]
+        return r.prefix_len + r.extend_len == r.prompt_len
+
+    def _finishing(self) -> list[int]:
+        """Running requests whose prompt is done: they may finish."""
+        return [rid for rid in self._running() if self._prompt_done(rid)]
+
+    def _uncached(self) -> list[int]:
+        """Running requests with prompt left: their chunk ran, cache_unfinished_req comes before the next round."""
+        return [rid for rid in self._running() if not self._prompt_done(rid)]
+
+    def _chunked(self) -> list[int]:
+        return [rid for rid, r in enumerate(self.ref.requests) if r.status is ReqStatus.CHUNKED]
+
     def _boundaries(self) -> list[int]:
         """Nodes a request can match up to: the root (-1) and every node whose window walk does not stop."""
         return [-1] + [i for i in range(len(self.ref.nodes)) if not ad.window_walk(self.ref, i).stopped]
@@ -138,8 +168,17 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                 and all(r.status in (ReqStatus.WAITING, ReqStatus.FINISHED) for r in self.ref.requests)
                 and all(n.lock_ref == 0 for n in self.ref.nodes))
 
+    def _alone(self, rid: int) -> bool:
+        """The open round reserved nothing yet and every request but ``rid`` is waiting or finished: nothing else holds
+        SWA (only ``rid``'s pages and window lock) and nothing else will release any."""
+        adder = self.ref.adder
+        return (adder is not None and adder.rem_swa_token_offset == 0 and not adder.can_run
+                and all(r.status in (ReqStatus.WAITING, ReqStatus.FINISHED)
+                        for i, r in enumerate(self.ref.requests) if i != rid))
+
     def _head(self) -> int | None:
-        return self.queue[0] if self.queue and not self.stopped else None
+        """The next request add_one_req takes; none while continuations are pending or once the adder stopped."""
+        return self.queue[0] if self.queue and not self.stopped and not self.continuing else None
 
     def _why_refused(self, rid: int) -> str:
         """What makes a request that fits the empty pool too big for the budget, in the state it is refused in."""
@@ -187,14 +226,57 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             if got != rid:
                 self.fail(f"arrive returned request id {got}, the reference {rid}")
 
-    @operation(when=lambda self: not self._round_open() and self._waiting())
+    @operation(when=lambda self: not self._round_open() and (self._waiting() or self._chunked())
+               and not self._uncached())
     def get_new_batch_prefill(self) -> None:
-        """A round starts: the prefill adder is built; the waiting requests are its queue, in arrival order."""
+        """A round starts (once every chunk that ran is cached): the prefill adder is built; the chunked requests are
+        continued first, then the waiting requests are its queue, in arrival order."""
         out = self.call("get_new_batch_prefill", "", lambda: (ad.get_new_batch_prefill(self.ref), None),
                         self.impl.get_new_batch_prefill)
         if out:
             self.ref = out[0][0]
             self.queue, self.matched, self.stopped = self._waiting(), set(), False
+            self.continuing = self._chunked()
+
+    @operation(when=lambda self: self._round_open() and self.continuing)
+    def add_chunked_req(self) -> None:
+        """A chunked request's next chunk, first thing in the round (§5.3): ``min(rem_chunk, rem_swa_tokens - P)``
+        tokens, or deferred when that is not positive (liveness: a deferral with nothing else holding SWA is a
+        deadlock). The adder stops once its budget_state is OTHER, as the scheduler's loop does."""
+        rid = self.continuing.pop(0)
+        alone = self._alone(rid)
+        rem = ad.rem_swa_tokens(self.ref)
+        r = self.ref.requests[rid]
+        described = (f"request {rid} (prompt {r.prompt_len}, {r.prompt_len - r.prefix_len} left, "
+                     f"{ad.own_len(self.ref, rid)} computed, holding {r.swa_pages} SWA pages and a window lock on "
+                     f"{len(r.locked)} nodes)")
+        out = self.call("add_chunked_req", described, lambda: ad.add_chunked_req(self.ref, rid),
+                        lambda: self.impl.add_chunked_req(rid))
+        if out is None:  # both raised OutOfMemory: a continuation only reserves, it allocates nothing
+            self.fail(f"add_chunked_req raised OutOfMemory for {described} on both sides; it allocates nothing (the "
+                      "round's prepare_for_extend does)")
+        (self.ref, want), got = out
+        mine, theirs = self.snapshot().state.requests[rid], self.ref.requests[rid]
+        if (mine.status, mine.extend_len) != (theirs.status, theirs.extend_len):
+            def chunk(r: ad.Request) -> str:
+                return "deferred it" if r.status is ReqStatus.CHUNKED else f"added a chunk of {r.extend_len} tokens"
+            self.fail(f"add_chunked_req {chunk(mine)} for {described} with rem_swa_tokens {rem}; the reference "
+                      f"{chunk(theirs)} (available_chunk_tokens = min(rem_chunk, rem_swa_tokens - P) differs)")
+        if got != want:
+            self.fail(f"add_chunked_req returned {got} for {described} with rem_swa_tokens {rem}, the reference "
+                      f"{want}")
+        self.trace.outcome(f" -> {want.value}")
+        if ad.budget_state(self.ref) is ad.AddReqResult.OTHER:
+            self.stopped = True
+        if want is ad.ChunkedResult.DEFERRED and alone:
+            self.idle_deferrals[rid] = self.idle_deferrals.get(rid, 0) + 1
+            if self.idle_deferrals[rid] >= STARVATION_BOUND:
+                c = self.ref.config
+                self.fail(f"liveness violated: the continuation of {described} was deferred in "
+                          f"{self.idle_deferrals[rid]} rounds in which nothing else held SWA (rem_swa_tokens {rem}: "
+                          f"available_chunk_tokens = min(rem_chunk, {rem} - {c.page_size}) <= 0); a deferral changes "
+                          f"nothing, eviction cannot free what it holds and no other request will finish, so it never "
+                          f"runs and never releases its pages (deadlock, policy {c.policy.value})")
 
     def _to_match(self) -> list[int]:
         if self.match_each:
@@ -254,18 +336,23 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                           f"so it waits forever and blocks the queue behind it ({why}, policy "
                           f"{self.ref.config.policy.value})")
 
-    @operation(when=lambda self: self._round_open() and self._head() is None)
+    @operation(when=lambda self: self._round_open() and self._head() is None and not self.continuing)
     def prepare_for_extend(self) -> None:
         """Once the adder stopped (or the queue is done) the round's batch allocates every admitted chunk (A1: it
         must fit); the round closes."""
         pending = [rid for rid in self.ref.adder.can_run] if self.ref.adder else []
+        pages = {rid: ad.chunk_pages(self.ref, rid) for rid in pending}
+        done = {rid: ad.own_len(self.ref, rid) for rid in pending}
         out = self.call("prepare_for_extend", f"requests {pending}", lambda: (ad.prepare_for_extend(self.ref), None),
                         self.impl.prepare_for_extend)
         if out is None:
             self.fail(f"A1 violated: 'Prefill out of memory': the round admitted requests {pending} whose chunks do "
                       f"not fit the SWA pool after their load-back (S8)")
         self.ref = out[0][0]
-        self.queue, self.matched, self.stopped = [], set(), False
+        self._held_pages("prepare_for_extend", pending, lambda rid: (
+            f"its chunk of {self.ref.requests[rid].extend_len} tokens after {done[rid]} own takes {pages[rid]} pages "
+            "past its last partly filled one"))
+        self.queue, self.matched, self.stopped, self.continuing = [], set(), False, []
 
     def _between_match_and_add(self) -> bool:
         head = self._head()
@@ -282,10 +369,33 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         if out:
             self.ref = out[0][0]
 
-    @operation(when=lambda self: self._running(), data=st.data())
+    @operation(when=lambda self: not self._round_open() and self._uncached(), data=st.data())
+    def cache_unfinished_req(self, data: Any) -> None:
+        """A running chunk with prompt left ran (its round closed, the next not open): its prefix grows by the chunk,
+        its own pages wholly out of the window are freed; it is continued in the next round."""
+        rid = data.draw(st.sampled_from(self._uncached()), label="request")
+        out = self.call("cache_unfinished_req", f"request {rid}",
+                        lambda: (ad.cache_unfinished_req(self.ref, rid), None),
+                        lambda: self.impl.cache_unfinished_req(rid))
+        if out:
+            self.ref = out[0][0]
+            done, w, p = ad.own_len(self.ref, rid), self.w, self.p
+            self._held_pages("cache_unfinished_req", [rid], lambda _: (
+                f"of its {done} own tokens the {ad.out_of_window_pages(done, window=w, page_size=p)} pages wholly "
+                f"below done - W = {done - w} are freed (W={w}, P={p})"))
+
+    def _held_pages(self, op: str, rids: list[int], why: Any) -> None:
+        """Each request in ``rids`` holds as many SWA pages as in the reference, or a verdict saying ``why(rid)``."""
+        snap = self.snapshot().state
+        for rid in rids:
+            mine, theirs = snap.requests[rid].swa_pages, self.ref.requests[rid].swa_pages
+            if mine != theirs:
+                self.fail(f"after {op} request {rid} holds {mine} SWA pages, the reference {theirs}: {why(rid)}")
+
+    @operation(when=lambda self: self._finishing(), data=st.data())
     def cache_finished_req(self, data: Any) -> None:
-        """A running request finishes: its chunk pages back, its window lock released."""
-        rid = data.draw(st.sampled_from(self._running()), label="request")
+        """A running request whose prompt is done finishes: its pages back, its window lock released."""
+        rid = data.draw(st.sampled_from(self._finishing()), label="request")
         out = self.call("cache_finished_req", f"request {rid}", lambda: (ad.cache_finished_req(self.ref, rid), None),
                         lambda: self.impl.cache_finished_req(rid))
         if out:
@@ -333,6 +443,32 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         return MisuseCall(f"request {rid} ({self.ref.requests[rid].status.value})",
                           lambda: (ad.cache_finished_req(self.ref, rid), None),
                           lambda: self.impl.cache_finished_req(rid))
+
+    @misuse("cache_finished_req", "prompt_left", when=lambda self: self._uncached())
+    def _prompt_left(self, data: Any) -> MisuseCall:
+        rid = data.draw(st.sampled_from(self._uncached()), label="request")
+        return MisuseCall(f"request {rid} (prompt left after its chunk)",
+                          lambda: (ad.cache_finished_req(self.ref, rid), None),
+                          lambda: self.impl.cache_finished_req(rid))
+
+    @misuse("cache_unfinished_req", "not_unfinished",
+            when=lambda self: any(not (r.status is ReqStatus.RUNNING and r.prefix_len + r.extend_len < r.prompt_len)
+                                  for r in self.ref.requests))
+    def _not_unfinished(self, data: Any) -> MisuseCall:
+        rid = data.draw(st.sampled_from([i for i, r in enumerate(self.ref.requests) if not (
+            r.status is ReqStatus.RUNNING and r.prefix_len + r.extend_len < r.prompt_len)]), label="request")
+        r = self.ref.requests[rid]
+        what = "prompt done" if r.status is ReqStatus.RUNNING else r.status.value
+        return MisuseCall(f"request {rid} ({what})", lambda: (ad.cache_unfinished_req(self.ref, rid), None),
+                          lambda: self.impl.cache_unfinished_req(rid))
+
+    @misuse("add_chunked_req", "not_chunked",
+            when=lambda self: self._round_open() and any(r.status is not ReqStatus.CHUNKED for r in self.ref.requests))
+    def _not_chunked(self, data: Any) -> MisuseCall:
+        rid = data.draw(st.sampled_from([i for i, r in enumerate(self.ref.requests)
+                                         if r.status is not ReqStatus.CHUNKED]), label="request")
+        return MisuseCall(f"request {rid} ({self.ref.requests[rid].status.value})",
+                          lambda: ad.add_chunked_req(self.ref, rid), lambda: self.impl.add_chunked_req(rid))
 
     def _reqs_waiting(self) -> list[ad.Request]:
         return [self.ref.requests[i] for i in self._waiting()]

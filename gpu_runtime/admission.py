@@ -9,7 +9,8 @@ model, the four policies and the simplifications), held in tensors on the runtim
   ``[nodes, max pages]`` (the device SWA pages of each node, -1 padded);
 * the requests as columns (prompt, ``max_new_tokens``, best-match node, status, prefix,
   extend, chunk pages) and the match-time snapshot ``[requests, 3]`` (-1: not matched); the
-  chunk pages each running request holds;
+  SWA pages of its own tokens each request holds, in token order (a chunked request's
+  continuation appends its pages; ``cache_unfinished_req`` frees the oldest, out of the window);
 * the SWA device pool itself: kvproof's paged allocator
   (:class:`~kvproof.gpu_runtime.paged.PagedTokenToKVPoolAllocator`, the SWA side of
   ``SWATokenToKVPoolAllocator``): load-back and the round's prefill take real pages from it,
@@ -40,6 +41,7 @@ from kvproof.reference.admission import (
     AdmissionSetup,
     AdmissionSnapshot,
     AdmissionState,
+    ChunkedResult,
     MatchResult,
     Node,
     PrefillAdder,
@@ -57,14 +59,18 @@ Tensor = torch.Tensor
 _I64 = torch.int64
 _DEVICE, _HOST, _NONE = 0, 1, 2
 _SWA = (SwaValue.DEVICE, SwaValue.HOST, SwaValue.NONE)
-_STATUS = (ReqStatus.WAITING, ReqStatus.ADMITTED, ReqStatus.RUNNING, ReqStatus.FINISHED)
-_WAITING, _ADMITTED, _RUNNING, _FINISHED = range(4)
+_STATUS = (ReqStatus.WAITING, ReqStatus.ADMITTED, ReqStatus.RUNNING, ReqStatus.FINISHED, ReqStatus.CHUNKED)
+_WAITING, _ADMITTED, _RUNNING, _FINISHED, _CHUNKED = range(5)
 # request columns
 _PROMPT, _MAX_NEW, _NODE, _STAT, _PREFIX, _EXTEND, _PAGES = range(7)
 
 
 def _ceil_p(x: int, p: int) -> int:
     return -(-x // p) * p
+
+
+def _ceil_div(x: int, p: int) -> int:
+    return -(-x // p)
 
 
 @dataclass
@@ -460,21 +466,76 @@ class AdmissionRuntime:
         """The round's batch allocates every admitted chunk's SWA pages at once (evicting first); the round closes."""
         op = "prepare_for_extend"
         adder = self._open_adder(op)
-        p = self.page_size
-        counts = [-(-int(self.reqs[rid, _EXTEND]) // p) for rid in adder.can_run]
+        counts = [self._chunk_pages(self._own_len(rid), int(self.reqs[rid, _EXTEND])) for rid in adder.can_run]
         taken = self._alloc(op, sum(counts), adder.can_run[0] if adder.can_run else None)
         at = 0
         for rid, k in zip(adder.can_run, counts, strict=True):
-            self.req_pages[rid] = taken[at:at + k]
-            self.reqs[rid, _STAT], self.reqs[rid, _PAGES] = _RUNNING, k
+            self.req_pages[rid] = torch.cat([self.req_pages[rid], taken[at:at + k]])
+            self.reqs[rid, _STAT] = _RUNNING
+            self.reqs[rid, _PAGES] += k
             at += k
         self.adder = None
 
+    def _own_len(self, rid: int) -> int:
+        """Tokens the request computed itself: its prefix beyond the matched path (0 before its first chunk ran)."""
+        return int(self.reqs[rid, _PREFIX]) - self._path_len(int(self.reqs[rid, _NODE]))
+
+    def _chunk_pages(self, done: int, extend: int) -> int:
+        """Pages a chunk of ``extend`` tokens after ``done`` own tokens takes: past the last, partly filled page."""
+        return _ceil_div(done + extend, self.page_size) - _ceil_div(done, self.page_size)
+
+    def _out_of_window(self, done: int) -> int:
+        """Pages of ``done`` own tokens wholly below ``done - W``: ``max(0, floor((done - W) / P))``."""
+        return max(0, done - self.window) // self.page_size
+
+    def _available_chunk_tokens(self, adder: _Adder) -> int:
+        """``available_chunk_tokens``: ``min(rem_chunk, rem_swa_tokens - P)`` (without chunking, the SWA term)."""
+        avail = self.rem_swa_tokens() - self.page_size
+        return avail if adder.rem_chunk is None else min(adder.rem_chunk, avail)
+
+    def add_chunked_req(self, rid: int) -> ChunkedResult:
+        """``PrefillAdder.add_chunked_req`` (§5.3): a chunked request's next chunk, deferred when no page is left."""
+        op = "add_chunked_req"
+        adder = self._open_adder(op)
+        status = self._check_rid(op, rid)
+        require(status == _CHUNKED, op, "rid",
+                f"request {rid} is {_STATUS[status].value}, not chunked (cache_unfinished_req makes it so)")
+        avail = self._available_chunk_tokens(adder)
+        if avail <= 0:
+            return ChunkedResult.DEFERRED
+        rest = int(self.reqs[rid, _PROMPT]) - int(self.reqs[rid, _PREFIX])
+        new_len, truncated = min(rest, avail), rest > avail
+        self.update_prefill_budget(_ceil_p(new_len, self.page_size), 0 if truncated else int(self.reqs[rid, _MAX_NEW]))
+        adder.can_run.append(rid)
+        self.reqs[rid, _STAT], self.reqs[rid, _EXTEND] = _ADMITTED, new_len
+        return ChunkedResult.TRUNCATED if truncated else ChunkedResult.LAST
+
+    def cache_unfinished_req(self, rid: int) -> None:
+        """A chunk ran with prompt left (between rounds): the prefix grows, the out-of-window pages are freed."""
+        op = "cache_unfinished_req"
+        status = self._check_rid(op, rid)
+        require(status == _RUNNING, op, "rid", f"request {rid} is {_STATUS[status].value}, not running")
+        prefix, extend, prompt = (int(self.reqs[rid, c]) for c in (_PREFIX, _EXTEND, _PROMPT))
+        require(prefix + extend < prompt, op, "rid", f"request {rid} computed its whole prompt ({prompt} tokens): "
+                "cache_finished_req, not cache_unfinished_req")
+        require(self.adder is None, op, "state", "a round is open (the chunk's forward runs between rounds)")
+        done = self._own_len(rid)
+        freed = self._out_of_window(done + extend) - self._out_of_window(done)
+        pages = self.req_pages[rid]
+        if freed > 0:  # the oldest own pages, the lowest positions
+            self.pool.release_pages(torch.sort(pages[:freed]).values)
+            self.req_pages[rid] = pages[freed:]
+        self.reqs[rid, _STAT], self.reqs[rid, _PREFIX], self.reqs[rid, _EXTEND] = _CHUNKED, prefix + extend, 0
+        self.reqs[rid, _PAGES] -= freed
+
     def cache_finished_req(self, rid: int) -> None:
-        """Completion: the chunk's pages back to the pool, the window lock released."""
+        """Completion of a request whose prompt is done: its pages back to the pool, the window lock released."""
         op = "cache_finished_req"
         status = self._check_rid(op, rid)
         require(status == _RUNNING, op, "rid", f"request {rid} is {_STATUS[status].value}, not running")
+        left = int(self.reqs[rid, _PROMPT]) - int(self.reqs[rid, _PREFIX]) - int(self.reqs[rid, _EXTEND])
+        require(left == 0, op, "rid", f"request {rid} has {left} prompt tokens left after its chunk: "
+                "cache_unfinished_req, not cache_finished_req")
         self._release_lock(rid)
         if self.req_pages[rid].numel():
             self.pool.release_pages(torch.sort(self.req_pages[rid]).values)

@@ -17,9 +17,11 @@ Operations, named like SGLang's (they are the Z3 transitions of ``kvproof.spec.a
 :func:`arrive`, :func:`get_new_batch_prefill` (a round starts: the adder is built),
 :func:`match_prefix_for_req` (the match-time snapshot, §5.4), :func:`add_one_req` (§5.3: the check
 outside the tree lock, :func:`inc_lock_ref`, the check inside it, :func:`init_load_back`, the chunk,
-:func:`update_prefill_budget`), :func:`prepare_for_extend` (the round's SWA allocation of every
-admitted chunk, evicting first; "Prefill out of memory" is :class:`OutOfMemory`), :func:`evict`,
-:func:`cache_finished_req` (completion: the chunk's pages back, the lock released). Budgets:
+:func:`update_prefill_budget`), :func:`add_chunked_req` (a chunked request's next chunk, first in its
+round), :func:`prepare_for_extend` (the round's SWA allocation of every admitted chunk, evicting first;
+"Prefill out of memory" is :class:`OutOfMemory`), :func:`evict`, :func:`cache_unfinished_req` (a chunk ran
+and the prompt has more: the prefix grows, out-of-window pages are freed), :func:`cache_finished_req`
+(completion: the request's pages back, the lock released). Budgets:
 :func:`swa_budget_for_req` (0.5.13's ``_swa_budget_for_req``), :func:`estimate_swa_kv_tokens` and
 :func:`check_prefill` (0.5.23's ``SWAPrefillBudget``).
 
@@ -60,6 +62,35 @@ The policy is one typed parameter, :class:`AdmissionPolicy`:
   Proved safe (A1) and live in ``kvproof.spec.admission``; the twins ``a1_corrected.uncapped_load_back``,
   ``a1_corrected.snapshot_reused`` and ``live_idle_pool.pre_27391`` show what each change prevents.
 
+**Chunked prefill** (§5.3, last paragraph; upstream_0523_vllm_fuzz.md §1.2 ``available_chunk_tokens``), the
+same rules under every policy (§5.3 gives the seed era the same cap as 0.5.23). A request that
+``add_one_req`` admits as a chunk (``new_chunked_req``) runs it (:func:`prepare_for_extend`) and still has
+prompt left. Its own tokens ``done`` (computed beyond the matched prefix, which is whole pages) are counted
+from that prefix:
+
+* :func:`cache_unfinished_req` (its round closed, the forward ran): ``prefix_len += extend_len`` and the
+  request frees the SWA pages of its own tokens wholly below ``done - W``: after it, exactly
+  :func:`out_of_window_pages` ``= max(0, floor((done - W) / P))`` of them are freed (the rule of
+  ``swa_tail_len``, §2.3: the kept tail starts on a page boundary and covers the last ``W`` tokens), the rest
+  kept; the status is ``CHUNKED``. The window lock on the tree is **kept until completion**;
+* :func:`add_chunked_req`, first thing in the next round (right after :func:`get_new_batch_prefill`, before any
+  ``add_one_req``, as the scheduler does): ``avail = min(rem_chunk_tokens, rem_swa_tokens - P)`` (without
+  chunked prefill, ``rem_swa_tokens - P``); ``avail <= 0``: ``DEFERRED``, nothing changes (the request stays
+  ``CHUNKED``, not in ``can_run``); else the chunk is ``min(rest of the prompt, avail)`` tokens (not
+  page-floored, as in 0.5.23: a chunk can end inside a page), reserved like :func:`update_prefill_budget`
+  (``ceil_P(chunk)``, ``max_new_tokens`` only for the last chunk; ``rem_chunk_tokens`` before the decrement is
+  the limit), appended to ``can_run``; ``TRUNCATED`` if prompt is left after it, else ``LAST``;
+* :func:`prepare_for_extend` allocates a continuing chunk's pages past its last, partly filled page:
+  :func:`chunk_pages` ``= ceil((done + chunk) / P) - ceil(done / P)`` (§1.3's ``get_num_new_pages``);
+* :func:`cache_finished_req` only for a request whose prompt is done (a ``RUNNING`` request with prompt left
+  cannot finish: :class:`InvalidOperation`); it frees every page the request still holds.
+
+Proved in ``kvproof.spec.admission``: the round invariant is kept by both operations, an added continuation's
+chunk fits and leaves one page (``add_chunked_req.a1``; the ``- P`` is what leaves it, the fit does not need it:
+``add_chunked_req.a1_minimal``), the release frees no page of the window
+(``cache_unfinished_req.frees_out_of_window_only``), the allocation wastes no page
+(``prepare_for_extend.continuation_pages_exact``).
+
 Liveness reads :func:`fits_empty_pool`: the request's own pinned window pages plus
 ``max(min(e', C), W) + P + ceil_P(W)`` stay below the pool: what any budget charging load-back at
 most one page-rounded window would admit from an empty idle pool.
@@ -77,7 +108,11 @@ most one page-rounded window would admit from an empty idle pool.
   for LRU) and keeps a host copy (HiCache write-through), whole nodes at a time;
 * a finished request's chunk pages go back to the free list (upstream inserts them into the tree,
   where they become evictable; the sum ``available + evictable`` is the same);
-* one chunk per request: a chunked request is not continued (``add_chunked_req``) in this model.
+* a chunk's computed tokens are not inserted into the tree: ``cache_unfinished_req`` keeps them as the
+  request's own pages and keeps its window lock on the matched prefix until completion (0.5.23 inserts them,
+  moves the lock to the new last node and frees out-of-window SWA from ``len(key) - 1 - ceil_P(max(W, P))``,
+  page-floored: up to a page more than the rule above); the Full budget (``remaining_total``), the
+  Mamba, LoRA and sharding limits of ``add_chunked_req`` are not modelled.
 """
 
 from __future__ import annotations
@@ -87,7 +122,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvproof.reference.arith import ceil_div, ceil_p, floor_p
+from kvproof.reference.arith import ceil_div, ceil_p, floor_p, num_new_pages
 from kvproof.reference.config import ConfigModel
 from kvproof.reference.errors import ConfigError, InvalidOperation, OutOfMemory, ensure, require
 
@@ -98,6 +133,7 @@ __all__ = [
     "AdmissionSetup",
     "AdmissionSnapshot",
     "AdmissionState",
+    "ChunkedResult",
     "MatchResult",
     "Node",
     "PrefillAdder",
@@ -105,12 +141,16 @@ __all__ = [
     "Request",
     "SwaValue",
     "WindowWalk",
+    "add_chunked_req",
     "add_one_req",
     "arrive",
+    "budget_state",
     "cache_finished_req",
+    "cache_unfinished_req",
     "check_admission",
     "check_admission_snapshot",
     "check_prefill",
+    "chunk_pages",
     "dec_lock_ref",
     "estimate_swa_kv_tokens",
     "evict",
@@ -122,6 +162,8 @@ __all__ = [
     "last_device_node",
     "match_prefix_for_req",
     "needs_host_load_back",
+    "out_of_window_pages",
+    "own_len",
     "path_len",
     "prepare_for_extend",
     "rem_swa_tokens",
@@ -154,6 +196,14 @@ class AddReqResult(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() 
     OTHER = "other"
 
 
+class ChunkedResult(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
+    """``add_chunked_req``'s outcome (§5.3; upstream returns the request while it stays chunked, else None)."""
+
+    DEFERRED = "deferred"  # available_chunk_tokens <= 0: not scheduled this round, nothing changed
+    TRUNCATED = "truncated"  # a chunk added, prompt left after it: still chunked
+    LAST = "last"  # the rest of the prompt added
+
+
 class SwaValue(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
     """Where a node's SWA value lives (§1.7)."""
 
@@ -167,6 +217,7 @@ class ReqStatus(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and
     ADMITTED = "admitted"  # in the round's can_run list, chunk not allocated yet
     RUNNING = "running"  # chunk allocated by prepare_for_extend
     FINISHED = "finished"
+    CHUNKED = "chunked"  # its chunk ran and is cached (cache_unfinished_req); add_chunked_req continues it
 
 
 class AdmissionConfig(ConfigModel):
@@ -227,9 +278,9 @@ class Request(BaseModel):
     status: ReqStatus = ReqStatus.WAITING
     match: MatchResult | None = None
     locked: tuple[int, ...] = ()  # the nodes its lock holds (dec_lock_ref releases exactly these)
-    prefix_len: int = 0
-    extend_len: int = 0
-    swa_pages: int = 0  # SWA pages its chunk holds (after prepare_for_extend)
+    prefix_len: int = 0  # matched (after load-back) plus the chunks already run and cached
+    extend_len: int = 0  # the scheduled chunk (0 while CHUNKED)
+    swa_pages: int = 0  # SWA pages of its own tokens it holds (allocated by prepare_for_extend, less those freed)
 
 
 class PrefillAdder(BaseModel):
@@ -450,6 +501,29 @@ def rem_swa_tokens(state: AdmissionState) -> int:
     """``rem_swa_tokens = swa_available + swa_evictable - rem_swa_token_offset`` (§5.1), in tokens."""
     offset = state.adder.rem_swa_token_offset if state.adder is not None else 0
     return (state.available + swa_evictable_pages(state)) * state.config.page_size - offset
+
+
+def own_len(state: AdmissionState, rid: int) -> int:
+    """Tokens request ``rid`` computed itself: its prefix beyond the matched path (whole pages), 0 before its first
+    chunk ran."""
+    req = _request(state, "own_len", rid)
+    if req.status is ReqStatus.WAITING:
+        return 0
+    return req.prefix_len - path_len(state, req.node)
+
+
+def out_of_window_pages(done: int, *, window: int, page_size: int) -> int:
+    """Pages of a request's ``done`` own tokens wholly below ``done - W``: ``max(0, floor((done - W) / P))`` (what
+    :func:`cache_unfinished_req` has freed; the kept tail is ``swa_tail_len``, §2.3)."""
+    return max(0, done - window) // page_size
+
+
+def chunk_pages(state: AdmissionState, rid: int) -> int:
+    """Pages :func:`prepare_for_extend` allocates for request ``rid``'s chunk: ``ceil((done + e) / P) - ceil(done /
+    P)`` for ``done`` own tokens (§1.3, ``get_num_new_pages``): the chunk first fills its last, partly filled page."""
+    req = _request(state, "chunk_pages", rid)
+    done = own_len(state, rid)
+    return num_new_pages(done, done + req.extend_len, state.config.page_size)
 
 
 def fits_empty_pool(state: AdmissionState, rid: int) -> bool:
@@ -700,12 +774,13 @@ def _commit(state: AdmissionState, rid: int, req: Request, held: tuple[int, ...]
     admitted = req.model_copy(update={"status": ReqStatus.ADMITTED, "locked": held, "prefix_len": prefix,
                                       "extend_len": extend})
     out = _set_request(state, rid, admitted).model_copy(update={"adder": new_adder})
-    return out, _budget_state(out)
+    return out, budget_state(out)
 
 
-def _budget_state(state: AdmissionState) -> AddReqResult:
-    """``budget_state`` (§5.3 step 9), SWA part: NO_TOKEN when no SWA budget is left, OTHER when the chunk is
-    used up or a chunked request was added, else CONTINUE."""
+def budget_state(state: AdmissionState) -> AddReqResult:
+    """``budget_state`` (§5.3 step 9), SWA part: NO_TOKEN when no SWA budget is left (or no round is open), OTHER
+    when the chunk is used up or a chunked request was added, else CONTINUE. The scheduler stops adding once it
+    is OTHER (after :func:`add_chunked_req` too)."""
     adder = state.adder
     if adder is None or rem_swa_tokens(state) <= 0:
         return AddReqResult.NO_TOKEN
@@ -716,28 +791,84 @@ def _budget_state(state: AdmissionState) -> AddReqResult:
     return AddReqResult.CONTINUE
 
 
+def add_chunked_req(state: AdmissionState, rid: int) -> tuple[AdmissionState, ChunkedResult]:
+    """``PrefillAdder.add_chunked_req`` (§5.3, last paragraph; 0.5.23: ``SWAPrefillBudget.available_chunk_tokens``):
+    the next chunk of a ``CHUNKED`` request, first thing in its round.
+
+    ``avail = min(rem_chunk_tokens, rem_swa_tokens - P)`` (the page is left for the rest of the step, #23174);
+    ``avail <= 0``: ``DEFERRED``, nothing changed. Else the chunk is ``min(rest of the prompt, avail)`` tokens (not
+    page-floored), reserved as :func:`update_prefill_budget` does (``max_new_tokens`` only when it is the last;
+    0.5.23: ``reserve(ceil_P(chunk), ..., chunk_limit=rem_chunk_tokens, is_chunked_continuation=True)``), the
+    request appended to ``can_run`` (``ADMITTED``); ``TRUNCATED`` when prompt is left after it, else ``LAST``.
+    """
+    op, c = "add_chunked_req", state.config
+    adder = _open_adder(state, op)
+    req = _request(state, op, rid)
+    require(req.status is ReqStatus.CHUNKED, op, "rid",
+            f"request {rid} is {req.status.value}, not chunked (cache_unfinished_req makes it so)")
+    chunk = adder.rem_chunk_tokens
+    avail = rem_swa_tokens(state) - c.page_size
+    if chunk is not None:
+        avail = min(chunk, avail)
+    if avail <= 0:
+        return state, ChunkedResult.DEFERRED
+    rest = req.prompt_len - req.prefix_len
+    new_len, truncated = min(rest, avail), rest > avail
+    new_adder = update_prefill_budget(adder, c, ceil_p(new_len, c.page_size), 0 if truncated else req.max_new_tokens)
+    new_adder = new_adder.model_copy(update={"can_run": (*adder.can_run, rid)})
+    added = req.model_copy(update={"status": ReqStatus.ADMITTED, "extend_len": new_len})
+    out = _set_request(state, rid, added).model_copy(update={"adder": new_adder})
+    return out, ChunkedResult.TRUNCATED if truncated else ChunkedResult.LAST
+
+
 def prepare_for_extend(state: AdmissionState) -> AdmissionState:
     """The round's batch allocates every admitted chunk's SWA pages at once (evicting first) and the round closes.
 
-    Short: :class:`OutOfMemory` ("Prefill out of memory. Try to allocate N tokens", §5.5), nothing changed.
+    A chunk takes :func:`chunk_pages`: ``ceil(e / P)`` for a first chunk (prefixes are whole pages, node lengths
+    are), the pages past the last, partly filled one for a continuation. Short: :class:`OutOfMemory` ("Prefill
+    out of memory. Try to allocate N tokens", §5.5), nothing changed.
     """
     op = "prepare_for_extend"
     adder = _open_adder(state, op)
-    p = state.config.page_size
-    # prefixes are whole pages (node lengths are), so a chunk of e tokens takes ceil(e / P) pages
-    pages = {rid: ceil_div(state.requests[rid].extend_len, p) for rid in adder.can_run}
+    pages = {rid: chunk_pages(state, rid) for rid in adder.can_run}
     state = _alloc(state, op, sum(pages.values()), adder.can_run[0] if adder.can_run else None)
     for rid, k in pages.items():
         req = state.requests[rid]
-        state = _set_request(state, rid, req.model_copy(update={"status": ReqStatus.RUNNING, "swa_pages": k}))
+        state = _set_request(state, rid, req.model_copy(update={"status": ReqStatus.RUNNING,
+                                                                "swa_pages": req.swa_pages + k}))
     return state.model_copy(update={"adder": None})
 
 
+def cache_unfinished_req(state: AdmissionState, rid: int) -> AdmissionState:
+    """A running chunk ran and the prompt has more (§5.3; the round closed, the next not started): the prefix grows by
+    the chunk and the request frees the pages of its own tokens that left the window, so that exactly
+    :func:`out_of_window_pages` of them are freed (the rest kept); it becomes ``CHUNKED``, its window lock kept."""
+    op = "cache_unfinished_req"
+    req = _request(state, op, rid)
+    require(req.status is ReqStatus.RUNNING, op, "rid", f"request {rid} is {req.status.value}, not running")
+    require(req.prefix_len + req.extend_len < req.prompt_len, op, "rid",
+            f"request {rid} computed its whole prompt ({req.prompt_len} tokens): cache_finished_req, not "
+            "cache_unfinished_req")
+    # the chunk's forward runs between rounds: after prepare_for_extend closed its round, before the next opens
+    require(state.adder is None, op, "state", "a round is open (the chunk's forward runs between rounds)")
+    w, p = state.config.sliding_window, state.config.page_size
+    done = own_len(state, rid)
+    freed = out_of_window_pages(done + req.extend_len, window=w, page_size=p) - \
+        out_of_window_pages(done, window=w, page_size=p)
+    cached = req.model_copy(update={"status": ReqStatus.CHUNKED, "prefix_len": req.prefix_len + req.extend_len,
+                                    "extend_len": 0, "swa_pages": req.swa_pages - freed})
+    return _set_request(state, rid, cached).model_copy(update={"available": state.available + freed})
+
+
 def cache_finished_req(state: AdmissionState, rid: int) -> AdmissionState:
-    """Completion: the request's chunk pages go back to the pool and its window lock is released."""
+    """Completion of a request whose prompt is done: every page it holds goes back to the pool and its window lock is
+    released (a chunked request with prompt left cannot finish: :class:`InvalidOperation`)."""
     op = "cache_finished_req"
     req = _request(state, op, rid)
     require(req.status is ReqStatus.RUNNING, op, "rid", f"request {rid} is {req.status.value}, not running")
+    require(req.prefix_len + req.extend_len == req.prompt_len, op, "rid",
+            f"request {rid} has {req.prompt_len - req.prefix_len - req.extend_len} prompt tokens left after its "
+            "chunk: cache_unfinished_req, not cache_finished_req")
     state = dec_lock_ref(state, req.locked)
     done = req.model_copy(update={"status": ReqStatus.FINISHED, "locked": (), "swa_pages": 0})
     return _set_request(state, rid, done).model_copy(update={"available": state.available + req.swa_pages})
@@ -747,12 +878,18 @@ def cache_finished_req(state: AdmissionState, rid: int) -> AdmissionState:
 
 
 def check_admission(state: AdmissionState) -> None:
-    """Accounting ``available + evictable + locked == swa_pages`` (§1.4) and balanced lock refs; raises
+    """Accounting ``available + evictable + locked == swa_pages`` (§1.4), each request holding the pages of its own
+    tokens less those freed out of the window (:func:`out_of_window_pages`), and balanced lock refs; raises
     :class:`InvariantViolation`."""
     c = state.config
     ev, locked = swa_evictable_pages(state), swa_locked_pages(state)
     ensure(state.available >= 0 and state.available + ev + locked == c.swa_pages, "accounting",
            f"available {state.available} + evictable {ev} + locked {locked} != {c.swa_pages} SWA pages")
+    for rid, r in enumerate(state.requests):
+        want = _own_pages(state, rid)
+        ensure(r.swa_pages == want, "request_pages",
+               f"request {rid} ({r.status.value}) holds {r.swa_pages} SWA pages, not the {want} of its own tokens "
+               "less those freed out of the window")
     holders = [r.locked for r in state.requests]
     for i, n in enumerate(state.nodes):
         count = sum(h.count(i) for h in holders)
@@ -781,6 +918,17 @@ def check_admission_snapshot(snap: AdmissionSnapshot) -> None:
     ensure(sorted(every) == list(range(1, st.config.swa_pages + 1)), "page_table",
            f"node, request and free pages do not partition pages 1..{st.config.swa_pages}: "
            f"{len(every)} listed, {len(set(every))} distinct")
+
+
+def _own_pages(state: AdmissionState, rid: int) -> int:
+    """The pages request ``rid`` holds by the rules: those of its own tokens (the running chunk's included) less the
+    out-of-window ones freed; none while waiting or finished."""
+    r, c = state.requests[rid], state.config
+    if r.status in (ReqStatus.WAITING, ReqStatus.FINISHED):
+        return 0
+    done = own_len(state, rid)
+    allocated = done + (r.extend_len if r.status is ReqStatus.RUNNING else 0)
+    return ceil_div(allocated, c.page_size) - out_of_window_pages(done, window=c.sliding_window, page_size=c.page_size)
 
 
 # ---------------------------------------------------------------- preconditions

@@ -34,7 +34,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from kvproof.reference.admission import AddReqResult, AdmissionSetup, AdmissionSnapshot
+from kvproof.reference.admission import AddReqResult, AdmissionSetup, AdmissionSnapshot, ChunkedResult
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.registry import Component
@@ -212,6 +212,11 @@ class AdmissionSystemUnderTest(Protocol):
     raised: ``OutOfMemory`` when load-back or the round's allocation is short (state unchanged),
     ``InvalidOperation`` for misuse. :meth:`snapshot` reports the decision state in the reference's terms and the
     SWA pages behind it. ``Capability.REJECTS_MISUSE``: misuse is rejected with ``InvalidOperation``.
+
+    Chunked prefill: a request admitted as a chunk runs it (``prepare_for_extend``); with prompt left,
+    ``cache_unfinished_req`` (between rounds) grows its prefix and frees its own out-of-window pages; the next
+    round's ``add_chunked_req`` (first in the round) adds its next chunk or defers it; ``cache_finished_req`` only
+    once its prompt is done.
     """
 
     capabilities: frozenset[Capability]
@@ -227,9 +232,13 @@ class AdmissionSystemUnderTest(Protocol):
 
     def init_load_back(self, rid: int) -> int: ...
 
+    def add_chunked_req(self, rid: int) -> ChunkedResult: ...
+
     def prepare_for_extend(self) -> None: ...
 
     def evict(self, num_pages: int) -> None: ...
+
+    def cache_unfinished_req(self, rid: int) -> None: ...
 
     def cache_finished_req(self, rid: int) -> None: ...
 

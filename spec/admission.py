@@ -17,7 +17,10 @@ runs (:class:`Action`: ``own`` unlocked device pages of its window, ``lb_whole``
 whole / window-capped load-back restores) and the match-time ``swa_host_hit_length`` (``h_snap``,
 any value: a stale one differs from ``lb_whole``). One relation per reference operation, named like
 it: :func:`get_new_batch_prefill`, :func:`match_prefix_for_req`, :func:`add_one_req`,
-:func:`init_load_back`, :func:`prepare_for_extend`, :func:`evict`, :func:`cache_finished_req`.
+:func:`init_load_back`, :func:`add_chunked_req`, :func:`prepare_for_extend`, :func:`evict`,
+:func:`cache_unfinished_req`, :func:`cache_finished_req`. A continuation enters through its action too: ``e`` =
+the prompt left, ``done`` = the tokens the request computed beyond its matched prefix (which is whole pages),
+``m``.
 ``tests/spec/test_drift_admission.py`` checks that each accepts the steps of seeded reference runs.
 
 A1 ("admitted => load-back and the next chunk's allocation succeed", §5.6): the decision terms of
@@ -43,6 +46,24 @@ A1 ("admitted => load-back and the next chunk's allocation succeed", §5.6): the
   ``add_one_req`` changes nothing, so in an idle pool a request refused once is refused in every round.
   Twins ``.upstream_27391`` (S9), ``.upstream_27391_s9`` (S9's numbers), ``.upstream_0523``,
   ``.pre_27391``.
+
+Chunked prefill (§5.3, last paragraph; upstream_0523_vllm_fuzz.md §1.2 ``available_chunk_tokens``):
+
+* ``add_chunked_req.keeps_round_invariant`` (the other policies reserve as ``corrected``): twins
+  ``.no_reservation`` (the chunk not reserved, as 0.5.23 does for a ring continuation) and ``.no_swa_cap``
+  (capped by ``rem_chunk_tokens`` alone); ``add_chunked_req.keeps_round_invariant_upstream_0523`` (its
+  reservation reads ``m``; twin ``.limit_after_decrement``: ``rem_chunk_tokens`` after its decrement as the
+  allocation limit);
+  ``cache_unfinished_req.keeps_round_invariant`` (twin ``.double_count``: the freed pages back in ``room`` and
+  still ``held``);
+* ``add_chunked_req.a1``: an added continuation's chunk fits the room the round's pending chunks leave, with a
+  page to spare (#23174: "add_chunked_req must leave one page"); twin ``.no_page_left`` (``rem_swa_tokens``
+  without ``- P``); ``add_chunked_req.a1_minimal`` (finding: the fit alone does not need the ``- P``: the pool
+  is page-granular and the reservations cover the pending pages; twin ``.no_swa_cap``);
+* ``cache_unfinished_req.frees_out_of_window_only``: the release frees no page the window reaches, never frees a
+  page twice and keeps at most ``W + P - 1`` tokens (twin ``.in_window_page``: ``ceil`` for ``floor``);
+* ``prepare_for_extend.continuation_pages_exact``: a continuation's ``ceil((done + e)/P) - ceil(done/P)`` pages
+  hold its tokens with no empty page (twin ``.whole_new_pages``: ``ceil(e/P)``, the partly filled page ignored).
 
 A2 (§5.6): ``swa_budget_for_req.a2_monotone`` (twin ``.host_hit_in_chunk``),
 ``swa_budget_for_req.a2_stricter`` (27391 >= the pre-fix budget, equal at ``h = 0``; twin
@@ -71,10 +92,21 @@ import z3
 
 from kvproof.spec import _ts
 from kvproof.spec._solver import Obligation, as_bool, as_int
-from kvproof.spec.terms import IntLike, ceil_div_term, ceil_p_term, floor_p_term, lift, zmax, zmin
+from kvproof.spec.terms import (
+    IntLike,
+    ceil_div_term,
+    ceil_p_term,
+    floor_p_term,
+    lift,
+    num_new_pages_term,
+    zmax,
+    zmin,
+)
 
 __all__ = [
     "CONTINUE",
+    "DEFERRED",
+    "LAST",
     "NO_TOKEN",
     "OBLIGATIONS",
     "OTHER",
@@ -83,14 +115,19 @@ __all__ = [
     "SYSTEM",
     "SYSTEMS",
     "SYSTEMS_BY_POLICY",
+    "TRUNCATED",
     "Action",
+    "Continuation",
     "Decision",
     "Policy",
     "State",
     "Variant",
+    "add_chunked_req",
     "add_one_req",
     "cache_finished_req",
+    "cache_unfinished_req",
     "check_prefill_terms",
+    "continuation",
     "decide",
     "estimate_swa_kv_tokens_term",
     "evict",
@@ -100,6 +137,7 @@ __all__ = [
     "init_load_back",
     "invariant_clauses",
     "match_prefix_for_req",
+    "out_of_window_pages_term",
     "prepare_for_extend",
     "swa_budget_term",
     "system",
@@ -109,6 +147,8 @@ COMPONENT = "admission"
 FAMILY = "admission"
 CONTINUE, NO_TOKEN, OTHER = 0, 1, 2
 RESULTS = ("CONTINUE", "NO_TOKEN", "OTHER")
+DEFERRED, TRUNCATED, LAST = 0, 1, 2  # add_chunked_req's outcome (the reference's ChunkedResult)
+CHUNK_RESULTS = ("DEFERRED", "TRUNCATED", "LAST")
 
 
 class Policy(enum.StrEnum):
@@ -151,6 +191,11 @@ def check_prefill_terms(e: IntLike, m: IntLike, h: IntLike, remaining: IntLike, 
     on = z3.BoolVal(limited) if isinstance(limited, bool) else limited
     escape = z3.And(needed >= lift(size_swa), on, cap > 0)
     return z3.Or(fits, escape), z3.If(fits, lift(limit), zmin(limit, cap))
+
+
+def out_of_window_pages_term(done: IntLike, W: IntLike, P: IntLike) -> z3.ArithRef:
+    """The reference's ``out_of_window_pages``: ``max(0, floor((done - W) / P))``."""
+    return floor_p_term(zmax(0, lift(done) - lift(W)), P) / lift(P)
 
 
 def fits_empty_pool_term(e_after: IntLike, own: IntLike, W: IntLike, P: IntLike, T: IntLike, C: IntLike,
@@ -199,6 +244,9 @@ class State:
 class Action:
     """An operation's arguments as the model reads them (tokens unless said).
 
+    ``add_chunked_req``: ``e`` = the prompt left, ``done`` = the request's own computed tokens (beyond its
+    matched prefix), ``m``, ``result`` (``DEFERRED`` / ``TRUNCATED`` / ``LAST``); ``cache_unfinished_req`` reads
+    ``freed`` (the out-of-window pages it frees).
     ``add_one_req``: ``e`` = prompt - Full device prefix (before load-back), ``host_full`` = the Full host hit
     (``e' = e - host_full``), ``m`` = the clipped ``max_new_tokens``, ``h_snap`` = the match-time
     ``swa_host_hit_length`` in pages, ``own`` = the window's unlocked device pages, ``own_sel`` = the unlocked
@@ -222,12 +270,13 @@ class Action:
     freed: z3.ArithRef
     n: z3.ArithRef
     result: z3.ArithRef
+    done: z3.ArithRef
 
     @staticmethod
     def fresh(tag: str) -> Action:
         return Action(*(z3.Int(f"{name}_arg@{tag}") for name in
                         ("e", "host_full", "m", "h_snap", "own", "own_sel", "lb_whole", "lb_cap", "back", "freed",
-                         "n", "result")))
+                         "n", "result", "done")))
 
     def walk_facts(self, s: State) -> list[z3.BoolRef]:
         """What the reference's tree guarantees about an ``add_one_req`` call's numbers: a request with something to
@@ -330,6 +379,43 @@ def decide(policy: Policy, s: State, a: Action, v: Variant = SOUND) -> tuple[Dec
     return d, s.room - a.own - lb
 
 
+# ---- the continuation of a chunked request ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """``add_chunked_req``'s numbers: ``avail``, the chunk, whether prompt is left after it, its pages, the
+    reservation."""
+
+    avail: z3.ArithRef
+    new: z3.ArithRef
+    truncated: z3.BoolRef
+    pages: z3.ArithRef
+    input_tokens: z3.ArithRef
+    reserve: z3.ArithRef
+
+
+def continuation(policy: Policy, s: State, a: Action, *, page_left: bool = True, swa_cap: bool = True,
+                 limit_after_decrement: bool = False) -> Continuation:
+    """``avail = min(rem_chunk, rem_swa_tokens - P)`` (0.5.23's ``available_chunk_tokens``; ``page_left``: the
+    ``- P``, ``swa_cap``: the SWA term at all), the chunk ``min(e, avail)``, its pages past the request's last
+    partly filled page, and the reservation of ``update_prefill_budget`` (``m`` only for the last chunk; its
+    allocation limit is ``rem_chunk`` before the decrement, ``limit_after_decrement``: a twin's after)."""
+    P, W = s.P, s.W
+    cap = s.room * P - s.offset - (P if page_left else 0)
+    avail = z3.If(s.chunking, zmin(s.rem_chunk, cap) if swa_cap else s.rem_chunk, cap)
+    new = zmin(a.e, avail)
+    truncated = a.e > avail
+    input_tokens = ceil_p_term(new, P)
+    limit = s.rem_chunk - input_tokens if limit_after_decrement else s.rem_chunk
+    if policy is Policy.UPSTREAM_0523:
+        reserve = estimate_swa_kv_tokens_term(input_tokens, z3.If(truncated, 0, a.m), W, P, limit, s.chunking, 0)
+    else:
+        reserve = swa_budget_term(input_tokens, 0, W, P, limit, s.chunking)
+    pages = num_new_pages_term(a.done, a.done + new, P)
+    return Continuation(avail, new, truncated, pages, input_tokens, reserve)
+
+
 # ---- the transitions: one per operation of kvproof.reference.admission --------------------------------
 
 
@@ -383,6 +469,27 @@ def init_load_back(s: State, a: Action, t: State, *, policy: Policy = Policy.COR
     lb = a.lb_cap if policy is Policy.CORRECTED else a.lb_whole
     return z3.And(a.lb_cap >= 0, a.lb_cap <= a.lb_whole, lb <= s.room, t.room == s.room - lb, t.locked == s.locked + lb,
                   *_frame(s, t, "room", "locked"))
+
+
+def add_chunked_req(s: State, a: Action, t: State, *, policy: Policy = Policy.CORRECTED, page_left: bool = True,
+                    reserved: bool = True, swa_cap: bool = True, limit_after_decrement: bool = False) -> z3.BoolRef:
+    """``add_chunked_req`` (§5.3): ``avail <= 0`` -> ``DEFERRED``, nothing changes; else the chunk is pending, its
+    reservation added (``reserved=False``: a twin's missing one), ``rem_chunk -= ceil_P(chunk)``; ``TRUNCATED``
+    when prompt is left after it, else ``LAST``. The request keeps no new lock; ``chunked`` is not set."""
+    k = continuation(policy, s, a, page_left=page_left, swa_cap=swa_cap, limit_after_decrement=limit_after_decrement)
+    deferred = z3.And(a.result == DEFERRED, *_frame(s, t))
+    added = z3.And(a.result == z3.If(k.truncated, TRUNCATED, LAST), t.pending == s.pending + k.pages,
+                   t.offset == s.offset + (k.reserve if reserved else 0),
+                   t.rem_chunk == s.rem_chunk - z3.If(s.chunking, k.input_tokens, 0),
+                   *_frame(s, t, "pending", "offset", "rem_chunk"))
+    return z3.And(s.open, a.e >= 1, a.done >= 0, a.m >= 0, z3.If(k.avail <= 0, deferred, added))
+
+
+def cache_unfinished_req(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Between rounds, a chunk ran with prompt left: ``freed`` of the pages requests hold (its own, out of the window)
+    back to the free list; its window lock stays."""
+    return z3.And(z3.Not(s.open), a.freed >= 0, a.freed <= s.held, t.room == s.room + a.freed,
+                  t.held == s.held - a.freed, *_frame(s, t, "room", "held"))
 
 
 def prepare_for_extend(s: State, a: Action, t: State) -> z3.BoolRef:
@@ -453,20 +560,27 @@ def describe(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
         return f"init_load_back({load})"
     if op == "cache_finished_req":
         return f"cache_finished_req(freed={as_int(m, a.freed)}p back={as_int(m, a.back)}p)"
+    if op == "cache_unfinished_req":
+        return f"cache_unfinished_req(freed={as_int(m, a.freed)}p)"
+    if op == "add_chunked_req":
+        verdict = as_int(m, a.result)
+        return (f"add_chunked_req(prompt left {as_int(m, a.e)}, done {as_int(m, a.done)}, m={as_int(m, a.m)}) -> "
+                f"{CHUNK_RESULTS[verdict] if 0 <= verdict < 3 else verdict}")
     if op == "evict":
         return f"evict({as_int(m, a.n)})"
     return f"{op}()"
 
 
 def system(policy: Policy = Policy.CORRECTED) -> _ts.TransitionSystem[State, Action]:
-    """The model under ``policy`` (its ``add_one_req`` and ``init_load_back``)."""
+    """The model under ``policy`` (its ``add_one_req``, ``init_load_back`` and ``add_chunked_req``)."""
     return _ts.TransitionSystem(
         component=COMPONENT, state=State.fresh, action=Action.fresh, init=init,
         transitions={"get_new_batch_prefill": get_new_batch_prefill, "match_prefix_for_req": match_prefix_for_req,
                      "add_one_req": functools.partial(add_one_req, policy=policy),
                      "init_load_back": functools.partial(init_load_back, policy=policy),
+                     "add_chunked_req": functools.partial(add_chunked_req, policy=policy),
                      "prepare_for_extend": prepare_for_extend, "evict": evict,
-                     "cache_finished_req": cache_finished_req},
+                     "cache_unfinished_req": cache_unfinished_req, "cache_finished_req": cache_finished_req},
         invariant=invariant_clauses, columns=COLUMNS, cells=cells, describe=describe)
 
 
@@ -596,6 +710,101 @@ def _live(policy: Policy, pin: Callable[[State, Action], list[z3.BoolRef]] | Non
 def _s9(s: State, a: Action) -> list[z3.BoolRef]:
     """S9's numbers; the capped restore is min(4096, ceil_64(128)) = 128 tokens."""
     return [*_pinned(s, a, S9), a.lb_cap == 2]
+
+
+# ---- chunked prefill: the continuation and the release ----------------------------------------------------
+
+
+def _a1_chunk(*, spare: int, page_left: bool = True, swa_cap: bool = True) -> _ts.Check:
+    """From any round-invariant state, an added continuation's chunk pages fit the room the round's pending chunks
+    leave, with ``spare`` pages to spare (``page_left``: ``available_chunk_tokens``'s ``- P``; ``swa_cap``: its SWA
+    term at all)."""
+
+    def parts() -> tuple[State, Action, Continuation]:
+        s, a = State.fresh("pre"), Action.fresh("step")
+        return s, a, continuation(Policy.CORRECTED, s, a, page_left=page_left, swa_cap=swa_cap)
+
+    def build() -> list[z3.BoolRef]:
+        s, a, k = parts()
+        facts = [*(c for _, c in invariant_clauses(s)), s.open, a.e >= 1, a.done >= 0, a.m >= 0, k.avail > 0]
+        return [*facts, z3.Not(s.pending + k.pages + spare <= s.room)]
+
+    def render(m: z3.ModelRef) -> str:
+        s, a, k = parts()
+        p = as_int(m, s.P)
+        chunk = f"rem_chunk {as_int(m, s.rem_chunk)}" if as_bool(m, s.chunking) else "no chunking"
+        minus = " - P" if page_left else ""
+        avail = f"min(rem_chunk, rem_swa_tokens{minus})" if swa_cap else "rem_chunk"
+        return (f"page size P={p}, window W={as_int(m, s.W)}, {chunk}; room {as_int(m, s.room)} pages (free + "
+                f"evictable), offset {as_int(m, s.offset)}, pending {as_int(m, s.pending)} pages: rem_swa_tokens "
+                f"{as_int(m, s.room) * p - as_int(m, s.offset)}. A chunked request with {as_int(m, a.e)} prompt tokens "
+                f"left and {as_int(m, a.done)} computed: avail = {avail} = "
+                f"{as_int(m, k.avail)}, a chunk of {as_int(m, k.new)} tokens takes {as_int(m, k.pages)} pages past its "
+                f"partly filled one: pending {as_int(m, s.pending) + as_int(m, k.pages)} pages"
+                + (f" leave no page of the {as_int(m, s.room)} (#23174: the continuation must leave one)" if spare
+                   else f" > room {as_int(m, s.room)}: prepare_for_extend runs out of SWA"))
+
+    return _ts.Check(build, render)
+
+
+def _out_of_window(*, in_window_page: bool = False) -> _ts.Check:
+    """``cache_unfinished_req``'s release after a chunk of ``n`` tokens on ``done``: the pages freed in all are wholly
+    below ``done + n - W`` (out of the window), none is freed twice (the count never falls), and at most ``W + P - 1``
+    own tokens stay (``in_window_page``: a twin rounding up)."""
+    names = ("P", "W", "done", "chunk")
+
+    def freed(d: z3.ArithRef, W: z3.ArithRef, P: z3.ArithRef) -> z3.ArithRef:
+        return ceil_div_term(zmax(0, d - W), P) if in_window_page else out_of_window_pages_term(d, W, P)
+
+    def parts() -> tuple[tuple[z3.ArithRef, ...], list[tuple[str, z3.BoolRef]]]:
+        P, W, d, n = (z3.Int(f"{x}") for x in names)
+        after, before = freed(d + n, W, P), freed(d, W, P)
+        claims = [("the freed pages end at or below done - W", after * P <= zmax(0, d + n - W)),
+                  ("no page is freed twice", after >= before),
+                  ("at most W + P - 1 own tokens are kept", d + n - after * P <= W + P - 1)]
+        return (P, W, d, n), claims
+
+    def build() -> list[z3.BoolRef]:
+        (P, W, d, n), claims = parts()
+        return [P >= 1, W >= 1, d >= 0, n >= 1, z3.Not(z3.And(*(c for _, c in claims)))]
+
+    def render(m: z3.ModelRef) -> str:
+        (P, W, d, n), claims = parts()
+        v = {x: as_int(m, t) for x, t in zip(names, (P, W, d, n), strict=True)}
+        done = v["done"] + v["chunk"]
+        broken = "; ".join(text for text, c in claims if not as_bool(m, c))
+        pages = as_int(m, freed(d + n, W, P))
+        return (f"page size P={v['P']}, window W={v['W']}: a request with {v['done']} own tokens runs a chunk of "
+                f"{v['chunk']}: {done} computed, the window is tokens [{done - v['W']}, {done}); {pages} pages freed "
+                f"in all (tokens [0, {pages * v['P']})): broken: {broken}")
+
+    return _ts.Check(build, render)
+
+
+def _continuation_pages(*, whole_new_pages: bool = False) -> _ts.Check:
+    """``prepare_for_extend``'s pages for a continuing chunk of ``n`` tokens on ``done``: with the ``ceil(done/P)``
+    pages the request's own tokens already span, they hold all ``done + n`` tokens and no empty page
+    (``whole_new_pages``: a twin taking ``ceil(n/P)``, as if the last page were full)."""
+
+    def parts() -> tuple[tuple[z3.ArithRef, ...], z3.ArithRef]:
+        P, d, n = z3.Ints("P done chunk")
+        k = ceil_div_term(n, P) if whole_new_pages else num_new_pages_term(d, d + n, P)
+        return (P, d, n), k
+
+    def build() -> list[z3.BoolRef]:
+        (P, d, n), k = parts()
+        span = (ceil_div_term(d, P) + k) * P
+        return [P >= 1, d >= 0, n >= 1, z3.Not(z3.And(span >= d + n, span < d + n + P))]
+
+    def render(m: z3.ModelRef) -> str:
+        (P, d, n), k = parts()
+        p, dv, nv, kv = as_int(m, P), as_int(m, d), as_int(m, n), as_int(m, k)
+        have = -(-dv // p)
+        return (f"page size P={p}: {dv} own tokens on {have} pages, a chunk of {nv}: {kv} new pages, "
+                f"{(have + kv) * p} slots for {dv + nv} tokens: "
+                + ("a page stays empty" if (have + kv) * p >= dv + nv + p else "tokens left without a page"))
+
+    return _ts.Check(build, render)
 
 
 # ---- A2: monotonicity -----------------------------------------------------------------------------
@@ -780,6 +989,11 @@ def _double_free(s: State, a: Action, t: State) -> z3.BoolRef:
                   t.held == s.held - a.freed, t.locked == s.locked - a.back, *_frame(s, t, "room", "held", "locked"))
 
 
+def _double_count(s: State, a: Action, t: State) -> z3.BoolRef:
+    """Twin: ``cache_unfinished_req`` returns the out-of-window pages to the free list but still counts them held."""
+    return z3.And(z3.Not(s.open), a.freed >= 0, a.freed <= s.held, t.room == s.room + a.freed, *_frame(s, t, "room"))
+
+
 def _with_transition(op: str, transition: Callable[[State, Action, State], z3.BoolRef]
                      ) -> _ts.TransitionSystem[State, Action]:
     return dataclasses.replace(SYSTEM, transitions={**SYSTEM.transitions, op: transition})
@@ -897,6 +1111,60 @@ def _obligations() -> tuple[Obligation, ...]:
            "a completion that returns more chunk pages than requests hold (a double free) breaks the counts",
            _round_consecution(_with_transition("cache_finished_req", _double_free), ["cache_finished_req"]),
            "cache_finished_req.keeps_round_invariant"),
+        # chunked prefill: the continuation (§5.3, last paragraph) and the release
+        ob("add_chunked_req.keeps_round_invariant",
+           "corrected (pre_27391 and upstream_27391 reserve alike): a continuation, added or deferred, keeps "
+           "accounting and A1's round clause", _round_consecution(SYSTEM, ["add_chunked_req"])),
+        ob("add_chunked_req.keeps_round_invariant.no_reservation",
+           "a continuation whose chunk is not reserved (0.5.23 skips it for a ring continuation: "
+           "is_chunked_continuation on a pool without rings) breaks A1's round clause",
+           _round_consecution(_with_transition("add_chunked_req", functools.partial(add_chunked_req, reserved=False)),
+                              ["add_chunked_req"]), "add_chunked_req.keeps_round_invariant"),
+        ob("add_chunked_req.keeps_round_invariant.no_swa_cap",
+           "a continuation capped by rem_chunk_tokens alone (no SWA term) breaks A1's round clause",
+           _round_consecution(_with_transition("add_chunked_req", functools.partial(add_chunked_req, swa_cap=False)),
+                              ["add_chunked_req"]), "add_chunked_req.keeps_round_invariant"),
+        ob("add_chunked_req.keeps_round_invariant_upstream_0523",
+           "upstream_0523 (the reservation reads max_new_tokens for the last chunk): a continuation keeps the round "
+           "invariant", _round_consecution(SYSTEMS_BY_POLICY[up523], ["add_chunked_req"])),
+        ob("add_chunked_req.keeps_round_invariant_upstream_0523.limit_after_decrement",
+           "upstream_0523 reserving with rem_chunk_tokens after its decrement as the allocation limit (the tail "
+           "max(min(e, L) - W, 0) then shrinks) breaks A1's round clause",
+           _round_consecution(SYSTEMS_BY_POLICY[up523].with_transitions(add_chunked_req=functools.partial(
+               add_chunked_req, policy=up523, limit_after_decrement=True)), ["add_chunked_req"]),
+           "add_chunked_req.keeps_round_invariant_upstream_0523"),
+        ob("add_chunked_req.a1",
+           "an added continuation's chunk fits the room the round's pending chunks leave, with a page to spare "
+           "(avail = min(rem_chunk, rem_swa_tokens - P); #23174)", _a1_chunk(spare=1)),
+        ob("add_chunked_req.a1.no_page_left",
+           "avail = min(rem_chunk, rem_swa_tokens) (no - P) lets the round's chunks take the last page",
+           _a1_chunk(spare=1, page_left=False), "add_chunked_req.a1"),
+        ob("add_chunked_req.a1_minimal",
+           "finding: without the - P the continuation's chunk still fits (pending + pages <= room): the pool is "
+           "page-granular and the reservations cover the pending pages; the - P only leaves the page",
+           _a1_chunk(spare=0, page_left=False)),
+        ob("add_chunked_req.a1_minimal.no_swa_cap",
+           "a continuation capped by rem_chunk_tokens alone runs out of SWA at prepare_for_extend",
+           _a1_chunk(spare=0, swa_cap=False), "add_chunked_req.a1_minimal"),
+        ob("cache_unfinished_req.keeps_round_invariant",
+           "between rounds, the release returns held pages to room: the invariant is kept",
+           _round_consecution(SYSTEM, ["cache_unfinished_req"])),
+        ob("cache_unfinished_req.keeps_round_invariant.double_count",
+           "a release that returns the pages to the free list but keeps counting them held breaks accounting",
+           _round_consecution(_with_transition("cache_unfinished_req", _double_count), ["cache_unfinished_req"]),
+           "cache_unfinished_req.keeps_round_invariant"),
+        ob("cache_unfinished_req.frees_out_of_window_only",
+           "max(0, floor((done - W) / P)) pages freed in all: each wholly below done - W, none twice, at most "
+           "W + P - 1 own tokens kept", _out_of_window()),
+        ob("cache_unfinished_req.frees_out_of_window_only.in_window_page",
+           "ceil((done - W) / P) frees a page the window still reaches", _out_of_window(in_window_page=True),
+           "cache_unfinished_req.frees_out_of_window_only"),
+        ob("prepare_for_extend.continuation_pages_exact",
+           "a continuing chunk takes ceil((done + e)/P) - ceil(done/P) pages: with the pages its own tokens span, "
+           "they hold every token and no empty page", _continuation_pages()),
+        ob("prepare_for_extend.continuation_pages_exact.whole_new_pages",
+           "ceil(e/P) new pages (the partly filled last page ignored) leave a page empty",
+           _continuation_pages(whole_new_pages=True), "prepare_for_extend.continuation_pages_exact"),
         # liveness
         ob("add_one_req.live_idle_pool",
            "corrected: in an idle round a request that fits the empty pool (max(min(e', C), W) + P + ceil_P(W) < "

@@ -3,7 +3,9 @@
 Each mutant is a subclass of :class:`~kvproof.gpu_runtime.admission.AdmissionRuntime` with
 one small override of the prefill adder's admission path, run under the ``corrected``
 policy (the suite's default): a budget term dropped or mis-rounded, a comparison loosened,
-a check skipped, a lock not taken, a value reused from the match. The ``admission``
+a check skipped, a lock not taken, a value reused from the match; a chunked request's
+continuation without its page, not reserved, or allocated as whole pages; a release that
+frees a page of the window. The ``admission``
 suite must kill every one (``kvproof mutants --component admission``);
 ``tests/conformance/test_admission_mutants.py`` also runs the short differing sequence
 named in each docstring (``Differs:``) against the unmutated runtime. The Z3 twin that
@@ -17,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvproof.gpu_runtime.admission import _NODE, AdmissionRuntime, _ceil_p, _Walk
-from kvproof.reference.admission import AddReqResult
+from kvproof.gpu_runtime.admission import _NODE, AdmissionRuntime, _Adder, _ceil_p, _Walk
+from kvproof.reference.admission import AddReqResult, ChunkedResult
 
 __all__ = ["MUTANTS"]
 
@@ -174,6 +176,65 @@ class FinishKeepsLock(AdmissionRuntime):
         return None  # the lock (and the request's record of it) stays
 
 
+class ContinuationWithoutPage(AdmissionRuntime):
+    """``available_chunk_tokens`` without the ``- P``: ``min(rem_chunk, rem_swa_tokens)`` (§5.3, last paragraph; #23174
+    "add_chunked_req must leave one page"): a continuation takes the page the step needed, and one that should wait
+    is forced.
+
+    Z3: ``admission.add_chunked_req.a1.no_page_left``. Differs: P=4, W=8, chunk 8, 6 pages; a chunked request (8 own
+    tokens, 2 pages, 12 prompt tokens left) after a request that reserved 12 of the 16 tokens left: the reference
+    defers it (min(4, 4 - 4) = 0), this adds a chunk of 4.
+    """
+
+    def _available_chunk_tokens(self, adder: _Adder) -> int:
+        rem = self.rem_swa_tokens()
+        return rem if adder.rem_chunk is None else min(adder.rem_chunk, rem)
+
+
+class ReleaseFreesInWindowPage(AdmissionRuntime):
+    """``cache_unfinished_req`` rounds the out-of-window pages up: ``ceil((done - W) / P)`` frees the page that holds
+    the window's first tokens, which the next chunk attends to (§5.3; the kept tail of ``swa_tail_len``, §2.3).
+
+    Z3: ``admission.cache_unfinished_req.frees_out_of_window_only.in_window_page``. Differs: P=4, W=6, chunk 8: a
+    first chunk of 8 tokens cached frees ceil(2 / 4) = 1 page here, none in the reference (tokens 2..7 are the
+    window).
+    """
+
+    def _out_of_window(self, done: int) -> int:
+        return -(-max(0, done - self.window) // self.page_size)
+
+
+class ContinuationWholeNewPages(AdmissionRuntime):
+    """A continuing chunk allocated as whole new pages, ``ceil(e / P)``, ignoring the free slots of the request's last,
+    partly filled page (§1.3 ``get_num_new_pages``; 0.5.23's continuation is not page-floored): a page taken for
+    nothing.
+
+    Z3: ``admission.prepare_for_extend.continuation_pages_exact.whole_new_pages``. Differs: P=4, W=8, chunk 10: a
+    request with 18 own tokens continues with 10 more: the reference takes ceil(28/4) - ceil(18/4) = 2
+    pages, this 3.
+    """
+
+    def _chunk_pages(self, done: int, extend: int) -> int:
+        return -(-extend // self.page_size)
+
+
+class ContinuationNotReserved(AdmissionRuntime):
+    """The continuation's chunk is not reserved (0.5.23 skips the reservation of ``is_chunked_continuation`` for a
+    pool with per-request rings; here there are none): requests added after it in the round see its pages as free
+    (§5.3).
+
+    Z3: ``admission.add_chunked_req.keeps_round_invariant.no_reservation``. Differs: P=4, W=8, chunk 10, 12 pages: the
+    continuation of 10 tokens leaves the adder's offset at 0, the reference's 14.
+    """
+
+    def add_chunked_req(self, rid: int) -> ChunkedResult:
+        offset = self.adder.offset if self.adder is not None else 0
+        result = super().add_chunked_req(rid)
+        if self.adder is not None:
+            self.adder.offset = offset
+        return result
+
+
 MUTANTS: dict[str, Callable[..., AdmissionRuntime]] = {
     "budget_without_host_term": BudgetWithoutHostTerm,
     "admits_at_equality": AdmitsAtEquality,
@@ -184,4 +245,8 @@ MUTANTS: dict[str, Callable[..., AdmissionRuntime]] = {
     "uncapped_load_back": UncappedLoadBack,
     "reserve_counts_host_term": ReserveCountsHostTerm,
     "finish_keeps_lock": FinishKeepsLock,
+    "continuation_without_page": ContinuationWithoutPage,
+    "release_frees_in_window_page": ReleaseFreesInWindowPage,
+    "continuation_whole_new_pages": ContinuationWholeNewPages,
+    "continuation_not_reserved": ContinuationNotReserved,
 }

@@ -10,7 +10,7 @@ import torch
 from kvproof.conformance.admission import ADMISSION_CONFIGS, STARVATION_BOUND
 from kvproof.conformance.check import check, get_suite, run_check
 from kvproof.gpu_runtime.admission import AdmissionRuntime
-from kvproof.reference.admission import AdmissionPolicy
+from kvproof.reference.admission import AdmissionConfig, AdmissionPolicy, AdmissionSetup, Node, SwaValue
 from kvproof.reference.registry import info, options
 
 IDS = [c.label() for c in ADMISSION_CONFIGS]
@@ -32,6 +32,9 @@ def test_corrected_holds_on_the_runtime(config, device: str) -> None:
                    impl_name=f"runtime[{device}]", policy="corrected")
     for rule in ("add_one_req", "prepare_for_extend", "evict", "cache_finished_req", "misuse"):
         assert report.rules[rule] > 0, rule
+    if config.config.chunk_size is not None:  # chunks are cached and continued
+        for rule in ("cache_unfinished_req", "add_chunked_req", "misuse:add_chunked_req:not_chunked"):
+            assert report.rules[rule] > 0, rule
     assert report.outcomes.get("InvalidOperation", 0) > 0  # misuse rejected alike
 
 
@@ -45,6 +48,9 @@ def test_the_configs_cover_tombstones_shorter_equal_and_longer_than_the_window()
     assert {"<", "=", ">>"} <= kinds
     assert any(setup.config.sliding_window % setup.config.page_size for setup in ADMISSION_CONFIGS)
     assert any(setup.config.chunk_size is None for setup in ADMISSION_CONFIGS)
+    # a chunk that is no page multiple: a continuation ends inside a page
+    assert any(setup.config.chunk_size and setup.config.chunk_size % setup.config.page_size
+               for setup in ADMISSION_CONFIGS)
 
 
 def test_pre_27391_runs_out_after_admission_s8_shrunk() -> None:
@@ -78,6 +84,30 @@ def test_upstream_0523_starves_too_and_corrected_does_not_on_the_same_config() -
                        policy="upstream_0523")
     assert "(S9: the budget charges the window's host tombstones whole" in (report.failure or "")
     assert run_check("admission", AdmissionRuntime, LONG_TOMBSTONE, profile="dev", failures_dir=None,
+                     policy="corrected").passed
+
+
+#: A window of 3 pages, an 8-token host tombstone (4 pages), 8 pages: pre_27391 admits a long prompt (budget
+#: max(8, 6) + 2 = 10 < 16), its load-back takes 4 pages and its first chunk the other 4.
+DEADLOCK = AdmissionSetup(name="deadlock", config=AdmissionConfig(page_size=2, sliding_window=6, swa_pages=8,
+                                                                  chunk_size=8),
+                          nodes=(Node(parent=-1, length=8, full_on_device=True, swa=SwaValue.HOST),))
+
+
+def test_a_continuation_deferred_with_nothing_else_holding_swa_is_a_deadlock() -> None:
+    """pre_27391 over-admits: after the first chunk (8 own tokens, 1 page freed out of the window) the request holds 3
+    pages and locks 4: rem_swa_tokens 2, available_chunk_tokens min(8, 2 - 2) = 0 in every round, nothing else to
+    finish. corrected refuses that admission and passes."""
+    report = run_check("admission", AdmissionRuntime, DEADLOCK, profile="ci", failures_dir=None, policy="pre_27391")
+    failure = report.failure or ""
+    print(failure.split("Failing test case")[0])
+    assert f"was deferred in {STARVATION_BOUND} rounds in which nothing else held SWA" in failure, failure
+    assert "(deadlock, policy pre_27391)" in failure and "holding 3 SWA pages" in failure
+    continuation = ["get_new_batch_prefill", "add_chunked_req"]
+    assert _steps(failure) == ["arrive", "get_new_batch_prefill", "match_prefix_for_req", "add_one_req",
+                               "prepare_for_extend", "cache_unfinished_req", *continuation, "prepare_for_extend",
+                               *continuation]
+    assert run_check("admission", AdmissionRuntime, DEADLOCK, profile="ci", failures_dir=None,
                      policy="corrected").passed
 
 

@@ -18,7 +18,7 @@ from kvproof.conformance.check import MutantVerdict, kill_mutants, mutants_of
 from kvproof.conformance.mutants.admission import MUTANTS
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference import admission as ad
-from kvproof.reference.admission import AddReqResult, AdmissionPolicy, Node, ReqStatus, SwaValue
+from kvproof.reference.admission import AddReqResult, AdmissionPolicy, ChunkedResult, Node, ReqStatus, SwaValue
 from kvproof.reference.errors import OutOfMemory
 
 DEVICE, HOST = SwaValue.DEVICE, SwaValue.HOST
@@ -29,7 +29,9 @@ EVIDENCE: dict[str, str] = {
     "admits_at_equality": DECISION,
     "no_lock_recheck": DECISION,
     "host_hit_not_page_rounded": DECISION,
-    "stale_match_value": DECISION,
+    # a stale term errs either way: too small (a tree evicted since the match) or too big (restored since)
+    "stale_match_value": r"^add_one_req (admitted|refused) request \d+ .* the reference (refused|admitted) it \(the "
+                         r"admission decision differs\)$",
     # the restored node is not locked
     "load_back_without_lock": r"^tree node \d+: .*lock_ref 0; reference .*lock_ref 1$",
     # whole tombstones restored: more pages taken than the reference's capped restore
@@ -37,7 +39,19 @@ EVIDENCE: dict[str, str] = {
     # the reservation counts the host term again
     "reserve_counts_host_term": r"^prefill adder rem_swa_token_offset=(\d+) .*, reference rem_swa_token_offset=(\d+)",
     # the finished request's window stays locked
-    "finish_keeps_lock": r"^tree node \d+: .*lock_ref 1; reference .*lock_ref 0$",
+    "finish_keeps_lock": r"^tree node \d+: .*lock_ref (\d+); reference .*lock_ref (\d+)$",
+    # the continuation takes the page #23174 leaves: a bigger chunk, or one where the reference defers
+    "continuation_without_page": r"^add_chunked_req added a chunk of (\d+) tokens for request \d+ .*; the reference "
+                                 r"(added a chunk of (\d+) tokens|deferred it) \(available_chunk_tokens",
+    # a page of the window freed: fewer pages kept
+    "release_frees_in_window_page": r"^after cache_unfinished_req request \d+ holds (\d+) SWA pages, the reference "
+                                    r"(\d+): of its \d+ own tokens",
+    # whole new pages: more than the pages past the partly filled one
+    "continuation_whole_new_pages": r"^after prepare_for_extend request \d+ holds (\d+) SWA pages, the reference "
+                                    r"(\d+): its chunk of \d+ tokens after \d+ own",
+    # the continuation's chunk not reserved
+    "continuation_not_reserved": r"^prefill adder rem_swa_token_offset=(\d+) .*, reference "
+                                 r"rem_swa_token_offset=(\d+)",
 }
 #: The Z3 twins that catch the arithmetic mistakes (``kvproof prove -k <name>``: a counterexample each).
 Z3_TWINS: dict[str, tuple[str, ...]] = {
@@ -46,6 +60,10 @@ Z3_TWINS: dict[str, tuple[str, ...]] = {
     "no_lock_recheck": ("admission.add_one_req.a1_corrected.no_lock_recheck",),
     "stale_match_value": ("admission.add_one_req.a1_corrected.snapshot_reused",),
     "uncapped_load_back": ("admission.add_one_req.a1_corrected.uncapped_load_back",),
+    "continuation_without_page": ("admission.add_chunked_req.a1.no_page_left",),
+    "release_frees_in_window_page": ("admission.cache_unfinished_req.frees_out_of_window_only.in_window_page",),
+    "continuation_whole_new_pages": ("admission.prepare_for_extend.continuation_pages_exact.whole_new_pages",),
+    "continuation_not_reserved": ("admission.add_chunked_req.keeps_round_invariant.no_reservation",),
 }
 #: Arithmetic mistakes no A1 twin can catch, and the obligation that says why.
 NO_A1_TWIN = {"admits_at_equality": "admission.add_one_req.a1_upstream_27391_minimal"}
@@ -92,10 +110,20 @@ def test_mutant_is_killed(name: str) -> None:
     assert "HarnessError" not in verdict.evidence and "crashed" not in verdict.evidence, verdict.evidence
     found = re.search(EVIDENCE[name], verdict.evidence)
     assert found, f"{name} was killed for another reason than its bug: {verdict.evidence}"
-    if name == "reserve_counts_host_term":
+    if name in ("reserve_counts_host_term", "continuation_whole_new_pages"):
         assert int(found.group(1)) > int(found.group(2)), verdict.evidence
-    if name == "host_hit_not_page_rounded":  # only a window that is not a page multiple rounds
-        assert verdict.config is not None and verdict.config.startswith("page_edge-")
+    if name == "finish_keeps_lock":  # one lock more: the finished request's
+        assert int(found.group(1)) == int(found.group(2)) + 1, verdict.evidence
+    if name == "stale_match_value":
+        assert found.group(1) != found.group(2), verdict.evidence
+    if name in ("continuation_not_reserved", "release_frees_in_window_page"):
+        assert int(found.group(1)) < int(found.group(2)), verdict.evidence
+    if name == "continuation_without_page" and found.group(3) is not None:
+        assert int(found.group(1)) > int(found.group(3)), verdict.evidence
+    if name in ("host_hit_not_page_rounded", "release_frees_in_window_page"):  # W not a page multiple
+        assert verdict.config is not None and verdict.config.startswith(("page_edge-", "unaligned_chunk-"))
+    if name == "continuation_whole_new_pages":  # only a chunk that is no page multiple ends inside a page
+        assert verdict.config is not None and verdict.config.startswith("unaligned_chunk-")
     assert verdict.seconds < 30, f"{name} took {verdict.seconds:.1f} s to kill"
 
 
@@ -209,3 +237,67 @@ def test_finish_keeps_lock() -> None:
     assert runtime.snapshot().state.nodes[0].lock_ref == 0
     assert mutant.snapshot().state.nodes[0].lock_ref == 1
     assert (runtime.evictable_pages(), mutant.evictable_pages()) == (2, 0)  # the window stays pinned
+
+
+# ---- chunked prefill continued (§5.3, last paragraph)
+
+
+def cached_chunk(rt: AdmissionRuntime, prompt: int, at: int = -1) -> int:
+    """A request admitted as its first chunk, run and cached (chunked)."""
+    admit(rt, prompt, at)
+    rt.prepare_for_extend()
+    rid = rt.reqs.shape[0] - 1
+    rt.cache_unfinished_req(rid)
+    return rid
+
+
+def test_continuation_without_page() -> None:
+    """P=4, W=8, chunk 8, 6 pages: 8 own tokens (2 pages), 12 left; a request reserved 12 of the 16 tokens left."""
+    runtime, mutant = both("continuation_without_page", setup(p=4, w=8, pages=6, chunk=8))
+    outcomes = []
+    for rt in (runtime, mutant):
+        rid = cached_chunk(rt, 20)
+        other = rt.arrive(4, 0, -1)
+        rt.get_new_batch_prefill()
+        rt.match_prefix_for_req(other)
+        assert rt.add_one_req(other) is AddReqResult.CONTINUE
+        outcomes.append((rt.add_chunked_req(rid), rt.snapshot().state.requests[rid].extend_len))
+    assert outcomes == [(ChunkedResult.DEFERRED, 0), (ChunkedResult.TRUNCATED, 4)]
+
+
+def test_release_frees_in_window_page() -> None:
+    """P=4, W=6, chunk 8: a first chunk of 8 tokens; tokens 2..7 are the window: page 0 (tokens 0..3) stays."""
+    runtime, mutant = both("release_frees_in_window_page", setup(p=4, w=6, pages=8, chunk=8))
+    kept = []
+    for rt in (runtime, mutant):
+        rid = cached_chunk(rt, 20)
+        kept.append((rt.snapshot().state.requests[rid].swa_pages, rt.available()))
+    assert kept == [(2, 6), (1, 7)]
+
+
+def test_continuation_whole_new_pages() -> None:
+    """P=4, W=8, chunk 10, 12 pages: own tokens 8 -> 18 -> 28; the second continuation takes 2 pages, not 3."""
+    runtime, mutant = both("continuation_whole_new_pages", setup(p=4, w=8, pages=12, chunk=10))
+    held = []
+    for rt in (runtime, mutant):
+        rid = cached_chunk(rt, 40)
+        for _ in range(2):
+            rt.get_new_batch_prefill()
+            assert rt.add_chunked_req(rid) is ChunkedResult.TRUNCATED
+            rt.prepare_for_extend()
+            held.append(rt.snapshot().state.requests[rid].swa_pages)
+            rt.cache_unfinished_req(rid)  # 18 own tokens: 2 pages freed; 28: 3 more
+    # 8 -> 18: ceil(18/4) - ceil(8/4) = 3 = ceil(10/4) pages, alike (5 held); 18 -> 28: ceil(28/4) - ceil(18/4) = 2
+    # past the partly filled page (3 + 2 held), the mutant ceil(10/4) = 3 (3 + 3)
+    assert held == [5, 5, 5, 6]
+
+
+def test_continuation_not_reserved() -> None:
+    runtime, mutant = both("continuation_not_reserved", setup(p=4, w=8, pages=12, chunk=10))
+    offsets = []
+    for rt in (runtime, mutant):
+        rid = cached_chunk(rt, 40)
+        rt.get_new_batch_prefill()
+        rt.add_chunked_req(rid)
+        offsets.append(rt.snapshot().state.adder.rem_swa_token_offset)
+    assert offsets == [14, 0]  # max(min(12, 10), 8) + 4

@@ -9,7 +9,7 @@ import torch
 
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference import admission as ad
-from kvproof.reference.admission import AddReqResult, AdmissionPolicy, Node, ReqStatus, SwaValue
+from kvproof.reference.admission import AddReqResult, AdmissionPolicy, ChunkedResult, Node, ReqStatus, SwaValue
 from kvproof.reference.contract import AdmissionSystemUnderTest
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.reference.registry import Component
@@ -127,23 +127,33 @@ def _random_run(policy: AdmissionPolicy, seed: int) -> None:
         swa = rng.choice([DEVICE, HOST, HOST, NONE]) if full else rng.choice([HOST, NONE])
         nodes.append(Node(parent=parent, length=p * rng.randint(1, 6), full_on_device=full, swa=swa))
     used = sum(n.length // p for n in nodes if n.swa is DEVICE)
-    s = setup(policy, p=p, w=w, pages=used + rng.randint(2, 12), chunk=rng.choice([None, 2 * p, 4 * p]),
+    s = setup(policy, p=p, w=w, pages=used + rng.randint(2, 12), chunk=rng.choice([None, 2 * p, 4 * p, 3 * p + 1]),
               nodes=tuple(nodes))
     rt, ref = AdmissionRuntime(s), ad.initial_state(s.config, s.nodes)
     for _ in range(60):
         waiting = [i for i, r in enumerate(ref.requests) if r.status is ReqStatus.WAITING]
         running = [i for i, r in enumerate(ref.requests) if r.status is ReqStatus.RUNNING]
-        op = rng.choice(["arrive", "round", "evict", "finish"])
+        done = [i for i in running if (r := ref.requests[i]).prefix_len + r.extend_len == r.prompt_len]
+        unfinished = [i for i in running if i not in done]
+        chunked = [i for i, r in enumerate(ref.requests) if r.status is ReqStatus.CHUNKED]
+        op = "cache" if unfinished else rng.choice(["arrive", "round", "evict", "finish"])
         try:
             if op == "arrive":
                 node = rng.choice([-1, *range(len(ref.nodes))])
                 prompt, m = ad.path_len(ref, node) + rng.randint(1, 4 * w), rng.randint(0, 2 * w)
                 ref, _ = ad.arrive(ref, prompt, m, node)
                 rt.arrive(prompt, m, node)
-            elif op == "round" and waiting:
+            elif op == "cache":  # the chunk ran: cached before the next round, as the scheduler does
+                rid = unfinished[0]
+                ref = ad.cache_unfinished_req(ref, rid)
+                rt.cache_unfinished_req(rid)
+            elif op == "round" and (waiting or chunked):
                 ref = ad.get_new_batch_prefill(ref)
                 rt.get_new_batch_prefill()
-                for rid in waiting:
+                for rid in chunked:  # continued first
+                    ref, outcome = ad.add_chunked_req(ref, rid)
+                    assert rt.add_chunked_req(rid) is outcome
+                for rid in waiting if ad.budget_state(ref) is not AddReqResult.OTHER else ():
                     ref = ad.match_prefix_for_req(ref, rid)
                     rt.match_prefix_for_req(rid)
                     try:
@@ -166,8 +176,8 @@ def _random_run(policy: AdmissionPolicy, seed: int) -> None:
                 k = rng.randint(0, s.config.swa_pages)
                 ref = ad.evict(ref, k)
                 rt.evict(k)
-            elif op == "finish" and running:
-                rid = rng.choice(running)
+            elif op == "finish" and done:
+                rid = rng.choice(done)
                 ref = ad.cache_finished_req(ref, rid)
                 rt.cache_finished_req(rid)
         except InvalidOperation:  # an arrival at a node that is no valid boundary: the runtime refuses it too
@@ -182,3 +192,89 @@ def _random_run(policy: AdmissionPolicy, seed: int) -> None:
 def test_agrees_with_the_reference_on_random_runs(policy: AdmissionPolicy) -> None:
     for seed in range(12):
         _random_run(policy, seed)
+
+
+# ---- chunked prefill continued (§5.3, last paragraph) -------------------------------------------------
+
+
+def chunked(rt: AdmissionRuntime, prompt: int, node: int = -1, max_new: int = 2) -> int:
+    """A request admitted as its first chunk, run and cached (``CHUNKED``)."""
+    rid, _ = admit(rt, prompt, max_new, node)
+    rt.prepare_for_extend()
+    rt.cache_unfinished_req(rid)
+    return rid
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chunked_request_continues_with_unaligned_chunks_and_frees_out_of_window_pages(device: str) -> None:
+    """P=4, W=8, chunk 10, 12 pages, an 8-token device prefix: chunks of 8 (page-floored), 10, 10 and the last 2;
+    each continuation takes the pages past its last partly filled one, each cache frees floor((done - W) / P)."""
+    tree = (Node(parent=-1, length=8, full_on_device=True, swa=DEVICE),)
+    rt = AdmissionRuntime(setup(AdmissionPolicy.CORRECTED, p=4, w=8, pages=12, chunk=10, nodes=tree), device=device)
+    rid = chunked(rt, 8 + 30, node=0)
+    ref = rt.snapshot().state.requests[rid]
+    assert (ref.status, ref.prefix_len, ref.swa_pages) == (ReqStatus.CHUNKED, 16, 2)  # done 8: nothing freed
+    seen = []
+    for _ in range(3):
+        rt.get_new_batch_prefill()
+        outcome = rt.add_chunked_req(rid)
+        rt.prepare_for_extend()
+        snap = rt.snapshot()
+        ad.check_admission_snapshot(snap)
+        ad.check_admission(snap.state)
+        seen.append((outcome, snap.state.requests[rid].extend_len, snap.state.requests[rid].swa_pages))
+        if outcome is ChunkedResult.LAST:
+            break
+        rt.cache_unfinished_req(rid)
+    # done 8 -> 18: 3 pages (5 in all); cached at 18: 2 freed; 18 -> 28: 2 pages; cached at 28: 3 freed; 28 -> 30: 1
+    assert seen == [(ChunkedResult.TRUNCATED, 10, 5), (ChunkedResult.TRUNCATED, 10, 5), (ChunkedResult.LAST, 2, 3)]
+    rt.cache_finished_req(rid)
+    assert rt.available() == 10 and rt.snapshot().state.nodes[0].lock_ref == 0
+
+
+def test_a_continuation_is_deferred_when_no_page_would_be_left() -> None:
+    """P=4, W=8, chunk 8, 6 pages; the chunked request holds 2 pages (done 8: nothing out of the window). A request
+    added before it in the round (the operation allows that order) reserves max(4, 8) + 4 = 12 of the 16 tokens
+    left: avail = min(4, 4 - 4) = 0, deferred, nothing changes; after that request finished it continues."""
+    rt = AdmissionRuntime(setup(AdmissionPolicy.CORRECTED, p=4, w=8, pages=6, chunk=8))
+    rid = chunked(rt, 20, max_new=0)
+    other = rt.arrive(4, 0, -1)
+    rt.get_new_batch_prefill()
+    rt.match_prefix_for_req(other)
+    assert rt.add_one_req(other) is AddReqResult.CONTINUE
+    before = rt.snapshot()
+    assert rt.add_chunked_req(rid) is ChunkedResult.DEFERRED and rt.snapshot() == before
+    rt.prepare_for_extend()
+    rt.cache_finished_req(other)
+    rt.get_new_batch_prefill()
+    assert rt.add_chunked_req(rid) is ChunkedResult.TRUNCATED  # min(8, 16 - 4): 8 of the 12 left
+    assert rt.snapshot().state.requests[rid].extend_len == 8
+
+
+def test_chunk_misuse_is_typed_and_changes_nothing() -> None:
+    rt = AdmissionRuntime(setup(AdmissionPolicy.CORRECTED, p=4, w=8, pages=12, chunk=8))
+    rid, _ = admit(rt, 20, 0, -1)
+    rt.prepare_for_extend()  # running with 12 tokens left
+    before = rt.snapshot()
+    for call in (lambda: rt.cache_finished_req(rid),  # prompt left: not finished
+                 lambda: rt.add_chunked_req(rid),  # no round open
+                 lambda: rt.cache_unfinished_req(7)):
+        with pytest.raises(InvalidOperation):
+            call()
+        assert rt.snapshot() == before
+    rt.get_new_batch_prefill()
+    with pytest.raises(InvalidOperation, match="round is open"):
+        rt.cache_unfinished_req(rid)  # the chunk's forward runs between rounds
+    with pytest.raises(InvalidOperation, match="not chunked"):
+        rt.add_chunked_req(rid)  # running, not cached yet
+    rt.prepare_for_extend()
+    rt.cache_unfinished_req(rid)
+    with pytest.raises(InvalidOperation, match="not running"):
+        rt.cache_unfinished_req(rid)  # cached once
+    short = rt.arrive(3, 0, -1)
+    rt.get_new_batch_prefill()
+    rt.match_prefix_for_req(short)
+    rt.add_one_req(short)
+    rt.prepare_for_extend()
+    with pytest.raises(InvalidOperation, match="whole prompt"):
+        rt.cache_unfinished_req(short)

@@ -380,12 +380,19 @@ def random_run(policy: Policy, seed: int, steps: int = 40) -> tuple[int, int]:
                 node = rng.randrange(-1, len(state.nodes))
                 state, _ = ad.arrive(state, ad.path_len(state, node) + rng.randint(1, 20), rng.randint(0, 8), node)
             elif kind < 0.8:
+                for rid, r in enumerate(state.requests):  # the chunks that ran are cached before the round
+                    if r.status is ad.ReqStatus.RUNNING and r.prefix_len + r.extend_len < r.prompt_len:
+                        state = checked(ad.cache_unfinished_req(state, rid))
                 state = ad.get_new_batch_prefill(state)
+                for rid, r in enumerate(state.requests):  # continued first
+                    if r.status is ad.ReqStatus.CHUNKED:
+                        state, _ = ad.add_chunked_req(state, rid)
+                        checked(state)
                 for rid, r in enumerate(state.requests):
                     if r.status is ad.ReqStatus.WAITING:
                         state = ad.match_prefix_for_req(state, rid)
                 for rid, r in enumerate(state.requests):
-                    if r.status is ad.ReqStatus.WAITING:
+                    if r.status is ad.ReqStatus.WAITING and ad.budget_state(state) is not ad.AddReqResult.OTHER:
                         state, res = ad.add_one_req(state, rid)
                         checked(state)
                         if res is not ad.AddReqResult.CONTINUE:
@@ -396,7 +403,7 @@ def random_run(policy: Policy, seed: int, steps: int = 40) -> tuple[int, int]:
                 state = ad.evict(state, rng.randint(0, 3))
             else:
                 running = [i for i, r in enumerate(state.requests) if r.status is ad.ReqStatus.RUNNING]
-                state = ad.cache_finished_req(state, rng.choice(running) if running else 0)
+                state = ad.cache_finished_req(state, rng.choice(running) if running else 0)  # misuse if prompt left
         except OutOfMemory:
             ooms += 1
             state = before.model_copy(update={"adder": None})  # the round is abandoned
@@ -486,3 +493,105 @@ def test_misuse_and_out_of_memory_leave_the_state_as_it_was() -> None:
     checked(state)
     with pytest.raises(ValueError, match="frozen"):
         state.available = 0  # type: ignore[misc]
+
+
+# ---- chunked prefill continued (§5.3, last paragraph; upstream_0523_vllm_fuzz.md §1.2) ------------------------
+
+
+def chunked_state(policy: Policy, *, pages: int = 12, chunk: int = 10, prompt: int = 38, max_new: int = 2
+                  ) -> tuple[ad.AdmissionState, int]:
+    """P=4, W=8, an 8-token device prefix; a request admitted as its first chunk (8 tokens, page-floored), run and
+    cached: CHUNKED with 8 own tokens."""
+    c = config(policy, swa_pages=pages, chunk=chunk, window=8, page=4)
+    state = ad.initial_state(c, [ad.Node(parent=-1, length=8, full_on_device=True, swa=DEVICE)])
+    state, rid = ad.arrive(state, prompt, max_new, 0)
+    state, result = admit(state, rid)
+    # 0.5.23's budget_state does not stop at a chunked request (rem_chunk 2 > 0 left)
+    want = ad.AddReqResult.CONTINUE if policy is Policy.UPSTREAM_0523 else ad.AddReqResult.OTHER
+    assert result is want and state.adder is not None and state.adder.new_chunked_req == rid
+    state = checked(ad.prepare_for_extend(state))
+    return checked(ad.cache_unfinished_req(state, rid)), rid
+
+
+def test_out_of_window_pages_and_chunk_pages() -> None:
+    """Pages wholly below done - W: max(0, floor((done - W) / P)); a chunk's pages past the last partly filled one."""
+    assert [ad.out_of_window_pages(d, window=8, page_size=4) for d in (0, 8, 11, 12, 18, 28)] == [0, 0, 0, 1, 2, 5]
+    state, rid = chunked_state(Policy.CORRECTED)
+    assert ad.own_len(state, rid) == 8
+    state, _ = ad.add_chunked_req(ad.get_new_batch_prefill(state), rid)
+    assert state.requests[rid].extend_len == 10 and ad.chunk_pages(state, rid) == 3  # ceil(18/4) - ceil(8/4)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_chunked_request_is_continued_chunk_by_chunk(policy: Policy) -> None:
+    """Chunks 8, 10, 10, 2 of a 30-token extend: each continuation reserves like update_prefill_budget, takes the
+    pages past its partly filled one; each cache frees the pages of own tokens wholly below done - W."""
+    state, rid = chunked_state(policy)
+    assert (state.requests[rid].status, state.requests[rid].prefix_len, state.requests[rid].swa_pages,
+            state.available) == (ad.ReqStatus.CHUNKED, 16, 2, 8)
+    seen = []
+    while True:
+        state = checked(ad.get_new_batch_prefill(state))
+        state, outcome = ad.add_chunked_req(state, rid)
+        assert state.adder is not None and state.adder.can_run == (rid,) and state.adder.new_chunked_req is None
+        offset, rem_chunk = state.adder.rem_swa_token_offset, state.adder.rem_chunk_tokens
+        state = checked(ad.prepare_for_extend(state))
+        r = state.requests[rid]
+        seen.append((outcome, r.extend_len, r.swa_pages, offset, rem_chunk))
+        if outcome is ad.ChunkedResult.LAST:
+            break
+        state = checked(ad.cache_unfinished_req(state, rid))
+    # a truncated chunk reserves ceil_P(10) = 12 tokens with m = 0: max(min(12, 10), 8) + 4 = 14 (0.5.23:
+    # max(10 - 8, 0) + min(12, 8) + 4 = 14); the last, 2 tokens: max(4, 8) + 4 = 12 (0.5.23 with m = 2:
+    # 0 + min(6, 8) + 4 = 10)
+    last = 10 if policy is Policy.UPSTREAM_0523 else 12
+    assert seen == [(ad.ChunkedResult.TRUNCATED, 10, 5, 14, -2), (ad.ChunkedResult.TRUNCATED, 10, 5, 14, -2),
+                    (ad.ChunkedResult.LAST, 2, 3, last, 6)]
+    state = checked(ad.cache_finished_req(state, rid))
+    assert state.available == 10 and state.nodes[0].lock_ref == 0  # the window lock was kept until completion
+
+
+def test_add_chunked_req_defers_when_no_page_would_be_left() -> None:
+    """6 pages: the locked prefix and the request's own 2 leave 2 (8 tokens); with 4 reserved before it, avail =
+    min(rem_chunk, 4 - 4) = 0: deferred, unchanged."""
+    state, rid = chunked_state(Policy.CORRECTED, pages=6, chunk=8, prompt=28)
+    state = ad.get_new_batch_prefill(state)
+    state = state.model_copy(update={"adder": state.adder.model_copy(update={"rem_swa_token_offset": 4})})
+    assert ad.rem_swa_tokens(state) == 4
+    after, outcome = ad.add_chunked_req(state, rid)
+    assert outcome is ad.ChunkedResult.DEFERRED and after == state
+    # one more token of room: a 1-token chunk, not page-floored (0.5.23), taking 1 page past the 2 it holds
+    roomier = state.model_copy(update={"adder": state.adder.model_copy(update={"rem_swa_token_offset": 3})})
+    after, outcome = ad.add_chunked_req(roomier, rid)
+    assert outcome is ad.ChunkedResult.TRUNCATED and after.requests[rid].extend_len == 1
+    assert ad.chunk_pages(after, rid) == 1
+
+
+def test_chunk_misuse_is_typed_and_changes_nothing() -> None:
+    state, rid = chunked_state(Policy.CORRECTED)
+    before = state.model_copy(deep=True)
+    with pytest.raises(InvalidOperation, match="no round is open"):
+        ad.add_chunked_req(state, rid)
+    with pytest.raises(InvalidOperation, match="not running"):
+        ad.cache_unfinished_req(state, rid)  # cached once
+    with pytest.raises(InvalidOperation, match="not running"):
+        ad.cache_finished_req(state, rid)  # chunked: its prompt is not done
+    with pytest.raises(InvalidOperation, match="out of range"):
+        ad.cache_unfinished_req(state, 3)
+    assert state == before
+    opened = ad.get_new_batch_prefill(state)
+    with_waiting, other = ad.arrive(opened, 20, 0, -1)
+    with pytest.raises(InvalidOperation, match="waiting, not chunked"):
+        ad.add_chunked_req(with_waiting, other)
+    running = checked(ad.prepare_for_extend(ad.add_chunked_req(opened, rid)[0]))
+    with pytest.raises(InvalidOperation, match="prompt tokens left"):
+        ad.cache_finished_req(running, rid)  # 20 tokens left after the chunk
+    with pytest.raises(InvalidOperation, match="round is open"):
+        ad.cache_unfinished_req(ad.get_new_batch_prefill(running), rid)
+    last = ad.cache_unfinished_req(running, rid)
+    last = ad.prepare_for_extend(ad.add_chunked_req(ad.get_new_batch_prefill(last), rid)[0])
+    last = ad.prepare_for_extend(ad.add_chunked_req(ad.get_new_batch_prefill(
+        ad.cache_unfinished_req(last, rid)), rid)[0])
+    with pytest.raises(InvalidOperation, match="whole prompt"):
+        ad.cache_unfinished_req(last, rid)
+    checked(ad.cache_finished_req(last, rid))

@@ -13,6 +13,7 @@ import functools
 import re
 
 import pytest
+import z3
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -42,7 +43,7 @@ def test_the_module_has_the_registry_shape() -> None:
     """Names ``admission.<op or round>.<claim>``, twins naming a sound obligation, one per family at least."""
     assert collect({"admission": spec}) == spec.OBLIGATIONS
     ops = {"add_one_req", "swa_budget_for_req", "match_prefix_for_req", "round", "get_new_batch_prefill",
-           "prepare_for_extend", "evict", "cache_finished_req"}
+           "add_chunked_req", "prepare_for_extend", "evict", "cache_unfinished_req", "cache_finished_req"}
     for ob in spec.OBLIGATIONS:
         assert ob.name.split(".")[1] in ops, ob.name
         if ob.twin_of is not None:
@@ -63,7 +64,7 @@ def test_every_twin_prints_readable_numbers() -> None:
             continue
         detail = result(ob.name).detail
         assert re.search(r"\d", detail) and "div0" not in detail and "mod0" not in detail, detail
-        if ".a1_" in ob.name or ".live_idle_pool" in ob.name:
+        if ob.name.startswith("admission.add_one_req.") and (".a1_" in ob.name or ".live_idle_pool" in ob.name):
             x = _numbers(detail)
             assert {"P", "W", "T", "e", "swa_host_hit_length"} <= x.keys(), (ob.name, detail)
             assert "page size" in detail and "window" in detail and "SWA pool" in detail, detail
@@ -160,3 +161,48 @@ def test_check_prefill_terms_escape_hatch(e: int, m: int, h: int, remaining: int
     assert ad.check_prefill(c, e, m, h, remaining, 512) == expect
     admit, cap = spec.check_prefill_terms(e, m, h, remaining, size, 128, 64, 512, True)
     assert value(admit) == expect[0] and (not expect[0] or value(cap) == expect[1])
+
+
+@given(done=st.integers(0, 400), w=st.integers(1, 300), p=st.integers(1, 64))
+def test_out_of_window_pages_term(done: int, w: int, p: int) -> None:
+    assert value(spec.out_of_window_pages_term(done, w, p)) == ad.out_of_window_pages(done, window=w, page_size=p)
+
+
+def _concrete(state: ad.AdmissionState) -> spec.State:
+    """The model's state of a reference state with an open round (no tree: ``room`` is ``available``)."""
+    c, adder = state.config, state.adder
+    assert adder is not None
+    chunk = c.chunk_size or c.page_size
+    return spec.State(*(z3.IntVal(v) for v in (c.page_size, c.sliding_window, c.swa_pages, chunk)),
+                      z3.BoolVal(c.chunk_size is not None), z3.IntVal(state.available), z3.IntVal(0), z3.IntVal(0),
+                      z3.BoolVal(True), z3.IntVal(adder.rem_swa_token_offset),
+                      z3.IntVal(chunk if adder.rem_chunk_tokens is None else adder.rem_chunk_tokens), z3.IntVal(0),
+                      z3.BoolVal(False))
+
+
+@pytest.mark.parametrize("policy", list(spec.Policy))
+@given(p=st.sampled_from([1, 2, 4, 64]), w=st.integers(1, 200), pages=st.integers(1, 40),
+       done=st.integers(0, 300), rest=st.integers(1, 400), m=st.integers(0, 100), offset=st.integers(0, 300),
+       chunk=st.none() | st.integers(1, 600))
+def test_continuation_terms(policy: spec.Policy, p: int, w: int, pages: int, done: int, rest: int, m: int,
+                            offset: int, chunk: int | None) -> None:
+    """``continuation`` against the reference's ``add_chunked_req`` and ``chunk_pages`` on a request with ``done`` own
+    tokens (matched at the root) and ``rest`` prompt tokens left, in a round with ``offset`` reserved."""
+    chunk = None if chunk is None else max(chunk, p)
+    c = ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=pages, chunk_size=chunk,
+                           policy=ad.AdmissionPolicy(policy.value))
+    req = ad.Request(prompt_len=done + rest, max_new_tokens=m, node=-1, status=ad.ReqStatus.CHUNKED, prefix_len=done)
+    state = ad.AdmissionState(config=c, available=pages, requests=(req,),
+                              adder=ad.PrefillAdder(rem_swa_token_offset=offset, rem_chunk_tokens=chunk))
+    s = _concrete(state)
+    a = spec.Action(*(z3.IntVal(v) for v in (rest, 0, m, 0, 0, 0, 0, 0, 0, 0, 0, 0, done)))
+    k = spec.continuation(policy, s, a)
+    after, outcome = ad.add_chunked_req(state, 0)
+    assert (value(k.avail) <= 0) == (outcome is ad.ChunkedResult.DEFERRED)
+    if outcome is ad.ChunkedResult.DEFERRED:
+        assert after == state
+        return
+    assert value(k.truncated) == (outcome is ad.ChunkedResult.TRUNCATED)
+    assert value(k.new) == after.requests[0].extend_len and value(k.pages) == ad.chunk_pages(after, 0)
+    assert after.adder is not None
+    assert value(k.reserve) == after.adder.rem_swa_token_offset - offset

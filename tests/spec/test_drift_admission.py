@@ -1,13 +1,13 @@
 """admission drift: every transition of the Z3 models accepts the steps the reference takes, under each policy.
 
 Seeded reference runs of ``kvproof.reference.admission`` (small random trees with device nodes, host tombstones
-and nodes without SWA, requests sharing them, rounds, evictions, completions, standalone load-backs;
-sglang_semantics.md §5) call every scheduler operation. Each step is abstracted into the model's state
-(:class:`kvproof.spec.admission.State`: ``room`` = free + evictable pages, protected and held pages, the
-round's adder) and action (what the window walk finds now, the match-time value, the verdict) and checked
-against the transition of the same name in the policy's system with concrete values; a call the reference
-rejects (a misuse, or out of memory) has no successor in the model. Deliberately wrong transitions reject
-sampled steps, so these checks can fail.
+and nodes without SWA, requests sharing them, rounds, evictions, completions, standalone load-backs, chunked
+requests cached and continued; sglang_semantics.md §5) call every scheduler operation. Each step is abstracted
+into the model's state (:class:`kvproof.spec.admission.State`: ``room`` = free + evictable pages, protected and
+held pages, the round's adder) and action (what the window walk finds now, the match-time value, the verdict,
+a continuation's prompt left and own tokens) and checked against the transition of the same name in the
+policy's system with concrete values; a call the reference rejects (a misuse, or out of memory) has no
+successor in the model. Deliberately wrong transitions reject sampled steps, so these checks can fail.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import pytest
 import z3
 
 from kvproof.reference import admission as ad
-from kvproof.reference.arith import ceil_div
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.spec import _ts
 from kvproof.spec import admission as spec
 
 Policy = ad.AdmissionPolicy
-RUNS, STEPS = 64, 30
+RUNS, STEPS = 80, 40
 Values = dict[str, Any]
 Pins = list[tuple[z3.ExprRef, z3.ExprRef]]
 RESULT = {ad.AddReqResult.CONTINUE: spec.CONTINUE, ad.AddReqResult.NO_TOKEN: spec.NO_TOKEN,
-          ad.AddReqResult.OTHER: spec.OTHER}
+          ad.AddReqResult.OTHER: spec.OTHER, ad.ChunkedResult.DEFERRED: spec.DEFERRED,
+          ad.ChunkedResult.TRUNCATED: spec.TRUNCATED, ad.ChunkedResult.LAST: spec.LAST}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Sample:
 def abstract(state: ad.AdmissionState) -> Values:
     c, adder = state.config, state.adder
     p = c.page_size
-    pending = sum(ceil_div(state.requests[r].extend_len, p) for r in adder.can_run) if adder else 0
+    pending = sum(ad.chunk_pages(state, r) for r in adder.can_run) if adder else 0
     chunk = c.chunk_size or p  # the model's C when chunked prefill is off: any value >= P
     rem_chunk = adder.rem_chunk_tokens if adder is not None and adder.rem_chunk_tokens is not None else chunk
     return {"P": p, "W": c.sliding_window, "T": c.swa_pages, "C": chunk, "chunking": c.chunk_size is not None,
@@ -103,19 +103,28 @@ class Tracker:
     def step(self) -> Sample:
         rng, state = self.rng, self.state
         running = [i for i, r in enumerate(state.requests) if r.status is ad.ReqStatus.RUNNING]
+        done = [i for i in running if state.requests[i].prefix_len + state.requests[i].extend_len
+                == state.requests[i].prompt_len]
+        unfinished = [i for i in running if i not in done]
+        chunked = [i for i, r in enumerate(state.requests) if r.status is ad.ReqStatus.CHUNKED]
         odd = rng.random() < 0.08
-        weights = {"arrive": 2, "get_new_batch_prefill": 2 if state.adder is None or odd else 0,
+        # as the scheduler: a chunk that ran is cached before the next round opens, which continues it first
+        opens = (state.adder is None and not unfinished) or odd
+        weights = {"arrive": 2, "get_new_batch_prefill": (6 if chunked else 2) if opens else 0,
                    "match_prefix_for_req": 3 if self.waiting(False) else 0,
                    "add_one_req": 6 if (state.adder is not None and self.waiting(True)) or odd else 0,
                    "init_load_back": 1 if self.waiting(True) else 0,
+                   "add_chunked_req": 10 if (state.adder is not None and chunked) or odd else 0,
                    "prepare_for_extend": 2 if state.adder is not None or odd else 0, "evict": 1,
-                   "cache_finished_req": 2 if running or odd else 0}
+                   "cache_unfinished_req": 8 if (state.adder is None and unfinished) or odd else 0,
+                   "cache_finished_req": 2 if done or odd else 0}
         op = rng.choices(list(weights), weights=list(weights.values()))[0]
         action: Values = {}
         call: Callable[[], object]
         if op == "arrive":
             node = rng.randrange(-1, len(state.nodes))
-            call = functools.partial(ad.arrive, state, ad.path_len(state, node) + rng.randint(1, 14),
+            extend = rng.randint(1, 20) if rng.random() < 0.7 else rng.randint(20, 48)  # long ones run many chunks
+            call = functools.partial(ad.arrive, state, ad.path_len(state, node) + extend,
                                      rng.randint(0, 6), node)
         elif op == "get_new_batch_prefill":
             call = functools.partial(ad.get_new_batch_prefill, state)
@@ -134,13 +143,23 @@ class Tracker:
             state = self.state = _with_locked(locked, rid, held)
             action = walk_action(state, rid)
             call = functools.partial(ad.init_load_back, state, rid)
+        elif op == "add_chunked_req":
+            rid = rng.choice(chunked or [0])
+            if rid < len(state.requests):
+                req = state.requests[rid]
+                action = {"e": req.prompt_len - req.prefix_len, "m": req.max_new_tokens,
+                          "done": ad.own_len(state, rid) if req.status is ad.ReqStatus.CHUNKED else 0}
+            call = functools.partial(ad.add_chunked_req, state, rid)
+        elif op == "cache_unfinished_req":
+            rid = rng.choice(unfinished or running or [0])
+            call = functools.partial(ad.cache_unfinished_req, state, rid)
         elif op == "prepare_for_extend":
             call = functools.partial(ad.prepare_for_extend, state)
         elif op == "evict":
             action = {"n": rng.randint(0, 4)}
             call = functools.partial(ad.evict, state, action["n"])
         else:
-            rid = rng.choice(running) if running else 0
+            rid = rng.choice(done or running or [0])
             action = {"freed": state.requests[rid].swa_pages if rid < len(state.requests) else 0}
             call = functools.partial(ad.cache_finished_req, state, rid)
         return self._run(op, action, call)
@@ -163,6 +182,11 @@ class Tracker:
             # OTHER without a page of chunk leaves the adder as it was and releases the lock: ``back`` pages return
             gave_up = out[1] is ad.AddReqResult.OTHER and new.adder == self.state.adder
             action["back"] = post["room"] - (pre["room"] - action["own"] - lb) if gave_up else 0
+        elif op == "add_chunked_req":
+            assert isinstance(out, tuple)
+            action["result"] = RESULT[out[1]]
+        elif op == "cache_unfinished_req":
+            action["freed"] = pre["held"] - post["held"]
         elif op == "cache_finished_req":
             action["back"] = post["room"] - pre["room"] - action["freed"]
         elif op == "init_load_back":
@@ -221,7 +245,7 @@ def state_pins(s: spec.State, v: Values) -> Pins:
 
 
 ACTION_FIELDS = ("e", "host_full", "m", "h_snap", "own", "own_sel", "lb_whole", "lb_cap", "back", "freed", "n",
-                 "result")
+                 "result", "done")
 
 
 def action_pins(a: spec.Action, v: Values, *, free_result: bool = False) -> Pins:
@@ -257,7 +281,8 @@ def has_successor(sample: Sample) -> bool:
 def test_every_scheduler_operation_has_a_transition_named_like_it() -> None:
     """One name everywhere: the reference function, the transition, the obligations' prefix."""
     assert spec.SYSTEM.ops == ("get_new_batch_prefill", "match_prefix_for_req", "add_one_req", "init_load_back",
-                               "prepare_for_extend", "evict", "cache_finished_req")
+                               "add_chunked_req", "prepare_for_extend", "evict", "cache_unfinished_req",
+                               "cache_finished_req")
     for op in spec.SYSTEM.ops:
         assert callable(getattr(ad, op)), op
     assert [p.value for p in spec.Policy] == [p.value for p in Policy]
@@ -279,10 +304,13 @@ def test_calls_the_reference_rejects_have_no_successor() -> None:
     rejected = [s for s in samples() if s.post is None]
     assert Counter(s.error for s in rejected).keys() == {"InvalidOperation", "OutOfMemory"}
     # what the model sees: out of memory, and the round's open/closed misuse (a request's status is not in it)
+    # ... and the round a continuation needs open, a release closed
     modelled = [s for s in rejected if (s.error == "OutOfMemory" and s.action.get("e", 1))
-                or s.op in ("get_new_batch_prefill", "prepare_for_extend")]
-    assert {s.op for s in modelled} >= {"init_load_back", "prepare_for_extend", "get_new_batch_prefill"}, \
-        Counter(s.op for s in modelled)
+                or s.op in ("get_new_batch_prefill", "prepare_for_extend")
+                or (s.op == "add_chunked_req" and not s.pre["open"])
+                or (s.op == "cache_unfinished_req" and s.pre["open"])]
+    assert {s.op for s in modelled} >= {"init_load_back", "prepare_for_extend", "get_new_batch_prefill",
+                                        "add_chunked_req", "cache_unfinished_req"}, Counter(s.op for s in modelled)
     for sample in modelled:
         assert not has_successor(sample), f"{sample.policy.value} {sample.op}{sample.action} ({sample.error}) " \
                                           f"from {sample.pre}"
@@ -294,10 +322,32 @@ def test_the_samples_cover_every_verdict_and_both_prefill_modes() -> None:
     assert {s.pre["chunking"] for s in steps} == {True, False}
     assert any(s.action["lb_whole"] > s.action["lb_cap"] for s in steps), "tombstones longer than the window"
     assert any(s.action["h_snap"] != s.action["lb_whole"] for s in steps), "stale match-time values"
+    chunks = [s for s in samples() if s.op == "add_chunked_req" and s.post is not None]
+    assert {s.action["result"] for s in chunks} == {spec.DEFERRED, spec.TRUNCATED, spec.LAST}
+    assert any(s.action["done"] % s.pre["P"] for s in chunks), "a continuation after a chunk that ends inside a page"
+    assert any(s.action["freed"] > 0 for s in samples() if s.op == "cache_unfinished_req" and s.post is not None)
     ooms = [s for s in samples() if s.error == "OutOfMemory"]
     assert {s.policy for s in ooms} >= {Policy.PRE_27391}, "pre_27391 runs out after admission"
     assert not [s for s in ooms if s.policy is Policy.CORRECTED and s.op in ("add_one_req", "prepare_for_extend")
                 and s.pre["open"]], "corrected never runs out after admission in a round"
+
+
+def _frees_nothing(s: spec.State, a: spec.Action, t: spec.State) -> z3.BoolRef:
+    """Wrong: a release that never frees a page (every chunk's pages kept until completion)."""
+    return z3.And(spec.cache_unfinished_req(s, a, t), a.freed == 0)
+
+
+@pytest.mark.parametrize(("op", "policy", "wrong"), [
+    ("add_chunked_req", Policy.CORRECTED, spec.SYSTEM.with_transitions(add_chunked_req=functools.partial(
+        spec.add_chunked_req, page_left=False))),
+    ("add_chunked_req", Policy.UPSTREAM_0523, spec.SYSTEM),  # corrected's reservation ignores max_new_tokens
+    ("cache_unfinished_req", Policy.CORRECTED, spec.SYSTEM.with_transitions(cache_unfinished_req=_frees_nothing)),
+])
+def test_a_wrong_chunk_transition_rejects_sampled_steps(op: str, policy: Policy,
+                                                        wrong: _ts.TransitionSystem[spec.State, spec.Action]) -> None:
+    steps = [s for s in samples() if s.op == op and s.post is not None and s.policy is policy]
+    rejected = [s for s in steps if evaluates(wrong, s) is False]
+    assert rejected, f"the wrong {op} accepts all {len(steps)} sampled {policy.value} steps"
 
 
 @pytest.mark.parametrize(("policy", "wrong"), [
