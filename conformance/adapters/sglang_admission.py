@@ -41,6 +41,11 @@ tombstone) or neither. What SGLang calls on it:
 * ``swa_evictable_size`` / ``full_evictable_size`` and the storage-prefetch bookkeeping
   (no-ops: no storage tier).
 
+A chunked request is continued by SGLang's own ``PrefillAdder.add_chunked_req`` (after
+``Req.init_next_round_input()``, as the scheduler calls it); ``cache_unfinished_req`` is the
+adapter's: the prefix grows to ``extend_end`` (``checkpoint_kv_cache``) and the pages of the
+request's own tokens that left the window go back to the real allocator, oldest first.
+
 The round's allocation (``prepare_for_extend``: ``ceil(extend / P)`` SWA pages per admitted
 request, evicting first, all or nothing), eviction and completion are the adapter's, through
 the real allocator; ``ScheduleBatch.prepare_for_extend`` needs a model runner.
@@ -72,7 +77,14 @@ from kvproof.conformance.adapters.sglang import (
     sglang_available,
 )
 from kvproof.reference import admission as ad
-from kvproof.reference.admission import AddReqResult, AdmissionPolicy, AdmissionSetup, AdmissionSnapshot, ReqStatus
+from kvproof.reference.admission import (
+    AddReqResult,
+    AdmissionPolicy,
+    AdmissionSetup,
+    AdmissionSnapshot,
+    ChunkedResult,
+    ReqStatus,
+)
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import ConfigError, OutOfMemory
 from kvproof.reference.registry import Component
@@ -151,6 +163,7 @@ class _Request:
     lock: tuple[int, ...] | None = None  # what the commit's tree.lock returned
     prefix_len: int = 0
     extend_len: int = 0
+    done: int = 0  # own tokens computed (the chunks run so far)
     pages: list[int] = field(default_factory=list)
 
 
@@ -376,6 +389,32 @@ class SGLangAdmission:
             r.prefix_len, r.extend_len = int(r.req.prefix_len), int(r.req.extend_len)
         return AddReqResult[res.name]
 
+    def add_chunked_req(self, rid: int) -> ChunkedResult:
+        """The scheduler's continuation: ``init_next_round_input()`` (no tree), then SGLang's
+        ``PrefillAdder.add_chunked_req`` (``available_chunk_tokens``, ``reserve(is_chunked_continuation=True)``)."""
+        r = self.requests[rid]
+        r.req.init_next_round_input()
+        before = len(self.adder.can_run_list)
+        left = self.adder.add_chunked_req(r.req)
+        if len(self.adder.can_run_list) == before:
+            return ChunkedResult.DEFERRED
+        r.status, r.extend_len = ReqStatus.ADMITTED, int(r.req.extend_len)
+        return ChunkedResult.TRUNCATED if left is r.req else ChunkedResult.LAST
+
+    def cache_unfinished_req(self, rid: int) -> None:
+        """After the chunk's forward: the prefix grows to ``extend_end`` (as ``checkpoint_kv_cache`` sets it) and
+        the pages of own tokens that left the window go back to the real allocator, oldest first (the tree's SWA
+        eviction of the request's out-of-window part; the rule is the reference's ``out_of_window_pages``)."""
+        r = self.requests[rid]
+        w, p = self.config.sliding_window, self.config.page_size
+        done = r.done + r.extend_len
+        freed = ad.out_of_window_pages(done, window=w, page_size=p) - ad.out_of_window_pages(r.done, window=w,
+                                                                                             page_size=p)
+        self.free_pages(r.pages[:freed])
+        r.pages, r.done = r.pages[freed:], done
+        r.req.prefix_len = r.req.extend_end
+        r.status, r.prefix_len, r.extend_len = ReqStatus.CHUNKED, int(r.req.prefix_len), 0
+
     def init_load_back(self, rid: int) -> int:
         r = self.requests[rid]
         params = type("InitLoadBackParams", (), {})()
@@ -390,14 +429,17 @@ class SGLangAdmission:
     def prepare_for_extend(self) -> None:
         p = self.config.page_size
         admitted = [self._by_req[id(req)] for req in self.adder.can_run_list]
-        want = {rid: -(-self.requests[rid].extend_len // p) for rid in admitted}
+        # a continuation first fills its last, partly filled page (get_num_new_pages)
+        want = {rid: -(-(r.done + r.extend_len) // p) - -(-r.done // p)
+                for rid in admitted for r in [self.requests[rid]]}
         taken = self.take_pages(sum(want.values()))
         if taken is None:
             raise OutOfMemory("prepare_for_extend", "swa", sum(want.values()),
                               self.free_count() + self.tree.evictable_pages(),
                               request=admitted[0] if admitted else None)
         for rid, k in want.items():
-            self.requests[rid].pages, taken = taken[:k], taken[k:]
+            self.requests[rid].pages += taken[:k]
+            taken = taken[k:]
             self.requests[rid].status = ReqStatus.RUNNING
         self.adder = None
 
