@@ -140,8 +140,8 @@ __all__ = [
     "CollectiveCall",
     "CollectiveMismatch",
     "HostNode",
-    "InsertResult",
     "IOResult",
+    "InsertResult",
     "Packed",
     "Phase",
     "PoolName",
@@ -485,7 +485,8 @@ class RankCommit(BaseModel):
     total_len: int  # tokens inserted up to (0 when the prefetch was discarded)
     attached: bool
     discarded: bool  # 0.5.23: the all-or-nothing check failed, nothing inserted
-    splits: tuple[int, ...]  # token offsets of the node splits (insert, then commit)
+    insert_split: int | None  # token offset where the insert split an existing node (None: none)
+    swa_split: int | None  # token offset where the commit split a tombstone at the window start (None: none)
     full_slots: tuple[SlotOwner, ...]  # per Full host page of the request
     swa_slots: tuple[SlotOwner, ...]  # per window-buffer page
     written_after_release: tuple[int, ...]  # window-buffer pages released by the scheduler, still written by IO
@@ -785,12 +786,12 @@ def reduce_prefetch_ack(state: PrefetchState) -> PrefetchState:
             if isinstance(second, CollectiveMismatch):
                 return state.model_copy(update={"phase": Phase.MISMATCHED, "mismatch": second})
             calls += [] if second is None else [second]
+    reduced = second if isinstance(second, CollectiveCall) else None
     ranks = []
     for i, r in enumerate(state.ranks):
-        done = first is not None and first.packed[i] is not None
-        applied = isinstance(second, CollectiveCall) and second.packed[i] is not None
-        m, hits, tdone = unpack_prefetch_ack(c, r, first.result if done and first is not None else None,
-                                             second.result if applied and second is not None else None)
+        m, hits, tdone = unpack_prefetch_ack(
+            c, r, first.result if first is not None and first.packed[i] is not None else None,
+            reduced.result if reduced is not None and reduced.packed[i] is not None else None)
         ranks.append(r.model_copy(update={"min_completed": m, "synced_hits": hits, "transfers_done": tdone}))
     return state.model_copy(update={"ranks": tuple(ranks), "phase": Phase.REDUCED,
                                     "collectives": (*state.collectives, *calls)})
@@ -901,7 +902,8 @@ def rank_handle_prefetch_result(config: TPPrefetchConfig, rank: RankState) -> Ra
             swa = ((SlotOwner.RELEASE_QUEUE if scheduler else SlotOwner.IO_THREAD),) * n
             hazard = tuple(i for i in io.in_flight if swa[i] is not SlotOwner.IO_THREAD)
             return RankCommit(nodes=_nodes_of(config), prefix_len=0, total_len=0, attached=False, discarded=True,
-                              splits=(), full_slots=full, swa_slots=swa, written_after_release=hazard)
+                              insert_split=None, swa_split=None, full_slots=full, swa_slots=swa,
+                              written_after_release=hazard)
     inserted = insert_host(config, _nodes_of(config), m * p)
     swa_commit = commit_prefetch(config, inserted, n, counts.get(PoolName.SWA, 0), holds_from=holds_from,
                                  check_mid_tree=v.protocol_0523)
@@ -910,21 +912,19 @@ def rank_handle_prefetch_result(config: TPPrefetchConfig, rank: RankState) -> Ra
     full = ((SlotOwner.FREED,) * prefix + (SlotOwner.TREE,) * (m - prefix)
             + (SlotOwner.RELEASE_QUEUE,) * (completed - m) + (SlotOwner.IO_THREAD,) * (r_pages - completed))
     hazard = tuple(i for i in io.in_flight if swa_commit.swa_slots[i] is not SlotOwner.IO_THREAD)
-    splits = tuple(s for s in (inserted.split, swa_commit.split) if s is not None)
     return RankCommit(nodes=swa_commit.nodes, prefix_len=inserted.prefix_len, total_len=m * p,
-                      attached=swa_commit.attached, discarded=False, splits=splits, full_slots=full,
+                      attached=swa_commit.attached, discarded=False, insert_split=inserted.split,
+                      swa_split=swa_commit.split, full_slots=full,
                       swa_slots=swa_commit.swa_slots, written_after_release=hazard)
 
 
 def _waiting_commit(config: TPPrefetchConfig, rank: RankState) -> RankCommit:
-    """A rank that does not terminate yet: its tree unchanged, its slots still held by the prefetch."""
-    n = window_pages(config, rank.progress)
-    held = rank.progress.registered
-    owner = SlotOwner.HELD if held else SlotOwner.IO_THREAD
-    return RankCommit(nodes=_nodes_of(config), prefix_len=0, total_len=0, attached=False, discarded=False, splits=(),
-                      full_slots=(owner,) * (config.request_pages if held else 0), swa_slots=(owner,) * (n if held
-                                                                                                            else 0),
-                      written_after_release=())
+    """A rank that does not terminate yet: its tree unchanged, its slots still held by the prefetch (a rank that never
+    registered holds none)."""
+    full, swa = (config.request_pages, window_pages(config, rank.progress)) if rank.progress.registered else (0, 0)
+    return RankCommit(nodes=_nodes_of(config), prefix_len=0, total_len=0, attached=False, discarded=False,
+                      insert_split=None, swa_split=None, full_slots=(SlotOwner.HELD,) * full,
+                      swa_slots=(SlotOwner.HELD,) * swa, written_after_release=())
 
 
 def handle_prefetch_result(state: PrefetchState) -> PrefetchState:
