@@ -1007,23 +1007,36 @@ def _sum(bits: Sequence[z3.BoolRef], k: z3.ArithRef) -> z3.ArithRef:
 
 
 def _prefix_check(*, by_sum: bool, small: bool = False) -> _ts.Check:
-    """After the MIN over the active ranks' counts, the first ``c`` keys arrived on every active rank."""
-    N, k = z3.Ints("N k")
+    """After the MIN over the active ranks' counts, the first ``c`` keys arrived on every active rank.
 
-    def parts() -> tuple[list[list[z3.BoolRef]], list[z3.ArithRef], z3.ArithRef]:
+    Each count and the MIN are variables with their defining facts (a leading run ``l``: every key below ``l``
+    arrived and key ``l`` did not, or ``l == k``; a MIN: at most every count and equal to one)."""
+    N, k, c = z3.Ints("N k c")
+
+    def parts() -> tuple[list[list[z3.BoolRef]], list[z3.ArithRef], list[z3.BoolRef]]:
         bits = _bits("fetched")
-        counts = [(_sum if by_sum else _lead)(bits[r], k) for r in range(RANKS)]
-        c = _min(counts, [z3.IntVal(r) < N for r in range(RANKS)])
-        return bits, counts, c
+        counts = [z3.Int(f"count[{r}]") for r in range(RANKS)]
+        facts: list[z3.BoolRef] = []
+        for r in range(RANKS):
+            if by_sum:
+                facts.append(counts[r] == _sum(bits[r], k))
+            else:
+                facts += [counts[r] >= 0, counts[r] <= k,
+                          *[z3.Implies(i < counts[r], bits[r][i]) for i in range(KEYS)],
+                          *[z3.Implies(z3.And(counts[r] == i, i < k), z3.Not(bits[r][i])) for i in range(KEYS)]]
+        act = [z3.IntVal(r) < N for r in range(RANKS)]
+        facts += [*[z3.Implies(act[r], c <= counts[r]) for r in range(RANKS)],
+                  z3.Or([z3.And(act[r], c == counts[r]) for r in range(RANKS)])]
+        return bits, counts, facts
 
     def build() -> list[z3.BoolRef]:
-        bits, _, c = parts()
+        bits, _, facts = parts()
         every = z3.And([z3.Implies(z3.And(r < N, i < c), bits[r][i]) for r in range(RANKS) for i in range(KEYS)])
         narrow = [N == 2, k == 3] if small else []
-        return [N >= 1, N <= RANKS, k >= 0, k <= KEYS, *narrow, z3.Not(every)]
+        return [N >= 1, N <= RANKS, k >= 0, k <= KEYS, *facts, *narrow, z3.Not(every)]
 
     def render(m: z3.ModelRef) -> str:
-        bits, counts, c = parts()
+        bits, counts, _ = parts()
         kk, n = as_int(m, k), as_int(m, N)
         rows = [f"rank {r}: fetched {fmt_bools([as_bool(m, b) for b in bits[r][:kk]])} -> count {as_int(m, counts[r])}"
                 for r in range(n)]
