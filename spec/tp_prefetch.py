@@ -31,6 +31,8 @@ builders (:func:`run`) for any per-rank progress vector of up to 8 ranks:
 
 * ``sync_prefetch_hit_query.same_hit`` (twin ``.no_sync``): every rank loads against one synced hit, at most its own;
   ``sync_prefetch_hit_query.aligned_0523`` (twin ``.transfer_sets_differ``: 0.5.23 keeps T5 in the hit query);
+* ``page_transfer.sidecars_after_full`` / ``sidecars_after_full_0523`` (T3: SWA hits are recorded only once every Full
+  page up to the synced hit completed; twins ``.no_full_guard``);
 * ``can_terminate_prefetch.agreed`` / ``agreed_0523``: one policy on every rank => the vote lines up and every rank
   makes the same decision (twins ``.mixed_policies``: a mismatched vote; in 0.5.23 no collective sees it and one
   rank commits while another waits);
@@ -40,7 +42,8 @@ builders (:func:`run`) for any per-rank progress vector of up to 8 ranks:
 * ``handle_prefetch_result.same_tree`` / ``same_tree_0523`` (T1: the same full prefix, attach decision and split
   points; twins ``.pre_27264`` = S10, ``.no_pool_sync``), ``handle_prefetch_result.full_slots_conserved`` (T4, Full
   host pages; twin ``.max_reduce``), ``handle_prefetch_result.no_write_after_release_0523`` (R5-d; twins
-  ``.best_effort_release``, ``.upstream_27264``);
+  ``.best_effort_release``, ``.upstream_27264``, ``.upstream_27264_any_terminated``: a model finding from §6.3's
+  vote, to confirm on the real code);
 * ``commit_prefetch.whole_window`` / ``whole_window_0523`` (T2; twins ``.pre_27264``, ``.partial_window``),
   ``commit_prefetch.aligned_window`` (T3; twin ``.pre_27264_s10``: tokens 320-447 get the SWA of 512-639),
   ``commit_prefetch.swa_slots_conserved`` (T4, the walk over any host path; twins ``.no_prefix_release``,
@@ -124,6 +127,7 @@ class Twist:
     max_reduce: bool = False  # the packed MIN replaced by MAX
     partial_window: bool = False  # the commit attaches on a synced count >= 1
     no_pool_sync: bool = False  # 0.5.23: the pool-hit ACK not reduced (rank-local counts)
+    no_full_guard: bool = False  # the IO thread fetches the sidecars whether or not every Full page completed
 
 
 SOUND = Twist()
@@ -327,13 +331,13 @@ def sync_prefetch_hit_query_terms(v: Variant, s: State, tw: Twist = SOUND) -> St
     return dataclasses.replace(s, H=hits, phase=z3.If(mism, MISMATCHED, QUERIED), mism=z3.If(mism, AT_HIT_QUERY, 0))
 
 
-def page_transfer_terms(v: Variant, s: State, a: Action) -> tuple[State, list[z3.BoolRef]]:
+def page_transfer_terms(v: Variant, s: State, a: Action, tw: Twist = SOUND) -> tuple[State, list[z3.BoolRef]]:
     """Each rank's IO thread (the reference's ``rank_page_transfer``) and what ``succ`` may be."""
     facts: list[z3.BoolRef] = []
     C, reach, cnt, mcnt, infl, fin = [], [], [], [], [], []
     for r in range(RANKS):
         c = zmin(s.full[r], s.H[r])
-        rch = z3.And(s.reg[r], c == s.H[r])
+        rch = s.reg[r] if tw.no_full_guard else z3.And(s.reg[r], c == s.H[r])
         k = zmin(window(v, s, r), s.H[r])
         lead = zmin(s.first_miss[r], k)
         facts.append(z3.Implies(active(s, r), z3.And(a.succ[r] >= lead, a.succ[r] <= k,
@@ -477,9 +481,10 @@ def sync_prefetch_hit_query(s: State, a: Action, t: State, *, variant: Variant =
     return z3.And(s.phase == STARTED, *_equal(t, sync_prefetch_hit_query_terms(variant, s, twist)))
 
 
-def page_transfer(s: State, a: Action, t: State, *, variant: Variant = Variant.UPSTREAM_27264) -> z3.BoolRef:
+def page_transfer(s: State, a: Action, t: State, *, variant: Variant = Variant.UPSTREAM_27264,
+                  twist: Twist = SOUND) -> z3.BoolRef:
     """At ``queried``: every rank's IO thread."""
-    post, facts = page_transfer_terms(variant, s, a)
+    post, facts = page_transfer_terms(variant, s, a, twist)
     return z3.And(s.phase == QUERIED, *facts, *_equal(t, post))
 
 
@@ -556,7 +561,7 @@ def system(variant: Variant = Variant.UPSTREAM_27264, twist: Twist = SOUND) -> _
         component=COMPONENT, state=State.fresh, action=Action.fresh, init=functools.partial(init, v=variant),
         transitions={
             "sync_prefetch_hit_query": functools.partial(sync_prefetch_hit_query, variant=variant, twist=twist),
-            "page_transfer": functools.partial(page_transfer, variant=variant),
+            "page_transfer": functools.partial(page_transfer, variant=variant, twist=twist),
             "can_terminate_prefetch": functools.partial(can_terminate_prefetch, variant=variant),
             "reduce_prefetch_ack": functools.partial(reduce_prefetch_ack, variant=variant, twist=twist),
             "handle_prefetch_result": functools.partial(handle_prefetch_result, variant=variant, twist=twist)},
@@ -608,7 +613,7 @@ def run(variant: Variant, twist: Twist = SOUND, tag: str = "run") -> Run:
     s0 = State.initial()
     a = Action.fresh(tag)
     states = [s0, *(State.fresh(f"{tag}{i}") for i in range(1, 6))]
-    built, facts = page_transfer_terms(variant, states[1], a)
+    built, facts = page_transfer_terms(variant, states[1], a, twist)
     steps = [sync_prefetch_hit_query_terms(variant, s0, twist), built,
              can_terminate_prefetch_terms(variant, states[2]), reduce_prefetch_ack_terms(variant, states[3], twist),
              handle_prefetch_result_terms(variant, states[4], twist)]
@@ -802,6 +807,21 @@ def _full_slots(rn: Run) -> z3.BoolRef:
     return z3.Implies(rn.committed, z3.And([z3.Implies(z3.And(active(s, r), s.go[r], z3.Not(s.disc[r])), z3.And(
         s.prefix[r] >= 0, s.prefix[r] <= s.total[r], s.total[r] <= s2.C[r], s2.C[r] <= s2.H[r], s2.H[r] <= s.R))
         for r in range(RANKS)]))
+
+
+def _sidecars_after_full(rn: Run) -> z3.BoolRef:
+    s, s2 = rn.last, rn.states[2]
+    v = rn.variant
+    return z3.And([z3.Implies(z3.And(active(s, r), s2.cnt[r] > 0), z3.And(
+        s2.C[r] == s2.H[r], s2.cnt[r] <= keys_swa(v, s2, r), keys_swa(v, s2, r) <= window(v, s, r)))
+        for r in range(RANKS)])
+
+
+def _explain_sidecars(m: z3.ModelRef, rn: Run) -> str:
+    s2 = rn.states[2]
+    r = _first(m, rn, lambda s, r: z3.And(s2.cnt[r] > 0, s2.C[r] < s2.H[r]))
+    return (f"T3 broken: rank {r} records {as_int(m, s2.cnt[r])} SWA page(s) fetched for the window ending at the "
+            f"synced hit {as_int(m, s2.H[r])} although it completed only {as_int(m, s2.C[r])} Full pages")
 
 
 def _no_hazard(rn: Run) -> z3.BoolRef:
@@ -1120,6 +1140,23 @@ def _obligations() -> tuple[Obligation, ...]:
            "query is mismatched (T5 remains in 0.5.23; inferred from its _sync_prefetch_hit_query)",
            _check(v0523, _no_mismatch_at(AT_HIT_QUERY), _explain_mismatch, premise=all_registered, pin=_small),
            "sync_prefetch_hit_query.aligned_0523"),
+        # the IO threads
+        ob("page_transfer.sidecars_after_full",
+           f"T3, upstream_27264, {any_n}: a rank records SWA hits only once every Full page up to the synced hit "
+           "completed, and at most one per key (keys: the last min(window, hit) page hashes)",
+           _check(up, _sidecars_after_full, _explain_sidecars)),
+        ob("page_transfer.sidecars_after_full_0523",
+           f"T3, upstream_0523, {any_n}: the same for 0.5.23's IO thread", _check(v0523, _sidecars_after_full,
+                                                                                    _explain_sidecars)),
+        ob("page_transfer.sidecars_after_full.no_full_guard",
+           "an IO thread that fetches the SWA window whether or not every Full page completed records hits for a "
+           "window that does not end where its Full prefix does",
+           _check(up, _sidecars_after_full, _explain_sidecars, twist=Twist(no_full_guard=True), pin=_swa_only),
+           "page_transfer.sidecars_after_full"),
+        ob("page_transfer.sidecars_after_full_0523.no_full_guard",
+           "upstream_0523 without the Full-completion guard of _page_transfer_sidecar: the same",
+           _check(v0523, _sidecars_after_full, _explain_sidecars, twist=Twist(no_full_guard=True), pin=_swa_only),
+           "page_transfer.sidecars_after_full_0523"),
         # the vote
         ob("can_terminate_prefetch.agreed",
            f"upstream_27264, {any_n} with one termination policy: the vote lines up and every rank makes the same "

@@ -68,6 +68,8 @@ SHORT_CASES = _cases(small=False)
 NOT_YET: dict[Component, str] = {
     Component.ADMISSION: "issue 12 (in progress): a legal admission system (its own tree, budget and load-back "
                          "over an SWA pool with FIFO / LIFO / random page reuse) is not written yet",
+    Component.TP_PREFETCH: "issue 13 (in progress): tp_prefetch has no lockstep suite yet, so no legal implementation "
+                           "can be run against one",
 }
 
 
