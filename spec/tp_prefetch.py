@@ -1086,8 +1086,9 @@ def _agree_check(*, prefix_reading: bool) -> _ts.Check:
         bits, lead, total = parts()
         kk = as_int(m, k)
         return (f"{kk} keys fetched {fmt_bools([as_bool(m, b) for b in bits[:kk]])}: leading run "
-                f"{as_int(m, lead)}, sum {as_int(m, total)}; a reader of 'count >= {as_int(m, j)}' gets a different "
-                "answer from the two counts")
+                f"{as_int(m, lead)}, sum {as_int(m, total)}\nR5-c broken for a prefix reading: 'count >= "
+                f"{as_int(m, j)}' is {as_int(m, lead) >= as_int(m, j)} for the leading run, "
+                f"{as_int(m, total) >= as_int(m, j)} for the sum")
 
     return _ts.Check(build, render)
 
