@@ -160,8 +160,8 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
                            "written yet; the reference and the Z3 model are",
             Layer.SUITE: "issue 13 in progress: the multi-process lockstep suite (reference vs runtime, per-rank "
                          "delays, mismatched collectives as bounded verdicts) is not written yet",
-            Layer.MUTANTS: "issue 13 in progress: the mutants (MIN -> MAX, local value, attach on a partial window, ...) "
-                           "come with the runtime and its suite",
+            Layer.MUTANTS: "issue 13 in progress: the mutants (MIN -> MAX, local value, attach on a partial "
+                           "window, ...) come with the runtime and its suite",
         },
     ),
 )})
