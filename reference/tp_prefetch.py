@@ -38,7 +38,20 @@ pure per-rank functions they are made of are what a multi-process runtime calls 
 
 :func:`check_prefetch_progress` runs the five in order and stops at the first mismatched collective
 (phase ``MISMATCHED``) or when no rank may terminate yet (phase ``WAITING``).
-:func:`check_tp_prefetch` raises :class:`InvariantViolation` for T1-T5 (and R5-c) on a final state.
+:func:`check_tp_prefetch` raises :class:`InvariantViolation` for T1-T5 on a final state (T4 includes R5-d: a
+window page released by the scheduler while its IO thread still writes it), :func:`check_hit_counts` for R5-c, and
+:func:`check_rank_commit` checks one rank's commit on its own (a runtime's per-rank snapshot can be checked by it).
+
+**Mirroring it on N processes** (the runtime and its suite): each rank holds its :class:`RankProgress` and runs
+the per-rank functions in this order, with one real ``all_reduce`` where the reference calls :func:`all_reduce`:
+``pack_hit_query`` -> all-reduce -> ``unpack_hit_query``; ``rank_page_transfer``; ``pack_terminate_vote`` ->
+all-reduce (only the ranks whose vector is not ``None``) -> ``rank_proceeds`` (``all_finished``: every rank's
+IO finished, which 0.5.23 learns from its ACK drain); ``pack_prefetch_ack`` -> one or two all-reduces ->
+``unpack_prefetch_ack``; ``rank_handle_prefetch_result``. A rank whose pack returns ``None`` does not call that
+collective: where other ranks do, the reference's verdict is :class:`CollectiveMismatch` (on gloo: a hang or a
+size error, so the runtime needs a bounded timeout per collective). The reference's
+:attr:`PrefetchState.collectives` lists every call with each rank's values and the result, for comparing call by
+call.
 
 **The collectives.** :func:`all_reduce` is a pure function over the N ranks' packed vectors
 (:class:`Packed`: the reduce op, the values, the slot names). A rank set whose calls differ in presence
@@ -982,7 +995,10 @@ def check_rank_commit(config: TPPrefetchConfig, commit: RankCommit) -> None:
 
 
 def check_tp_prefetch(state: PrefetchState) -> None:
-    """T1-T5 (§6.5) and R5-c on a finished check; raises :class:`InvariantViolation` for the first broken one."""
+    """T1-T5 (§6.5) on a finished check; raises :class:`InvariantViolation` for the first broken one (a mismatched
+    or mixed collective: T5; ranks that committed different trees, or some committed while others wait: T1; a window
+    attached that some rank did not fetch whole: T2; attached at positions whose KV it does not hold: T3; a rank's
+    slots, or a page released while written: T4)."""
     if state.mismatch is not None:
         ensure(False, "T5", state.mismatch.describe())
     for call in state.collectives:
