@@ -289,7 +289,7 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
 
     Exit codes: 0 pass, 1 a verdict, 2 bad input or a harness error, 130 Ctrl-C.
     """
-    from kvproof.cli.conform import CLIEvents, conform_table, mutants_table, print_reports, run_mutants
+    from kvproof.cli.conform import CLIEvents, conform_table, mutants_absent, mutants_table, print_reports, run_mutants
     from kvproof.cli.progress import Progress
     from kvproof.cli.prove import print_failures, print_results
     from kvproof.cli.prove import prove as run_prove
@@ -299,16 +299,17 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
 
     console = _console()
     parts: dict[str, Any] = {"prove": [], "conform": ([], None), "mutants": []}
+    no_mutants = mutants_absent(components)
 
     def write(status: str) -> None:
         docs = {"prove": prove_json(parts["prove"], complete=status == "complete"),
-                "mutants": mutants_json(parts["mutants"], complete=status == "complete")}
+                "mutants": mutants_json(parts["mutants"], complete=status == "complete", skipped=no_mutants)}
         suites = [prove_junit(parts["prove"])]
         outcomes, info = parts["conform"]
         if info is not None:
             docs["conform"] = conform_json(outcomes, info)
             suites.append(conform_junit(outcomes, info))
-        suites.append(mutants_junit(parts["mutants"]))
+        suites.append(mutants_junit(parts["mutants"], no_mutants))
         if json_report:
             write_document(json_report, {"format": CHECK_FORMAT, **header(), "status": status,
                                          "complete": status == "complete", "profile": profile, **docs})
@@ -333,8 +334,10 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
         finally:
             events.progress.stop()
         reports = [o.report for o in outcomes if o.report is not None]
+        no_suite = [(o.component, o.reason) for o in outcomes if o.status == "skipped" and o.report is None]
         console.print(conform_table(reports, console.width))
         print_reports(console, reports)
+        _print_skipped(console, no_suite, "no conformance run")
         if info.status == "interrupted":
             write("interrupted")
             _interrupted(console, info.running)
@@ -351,16 +354,19 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
         _bad_input(console, err)
     write("complete")
     console.print(mutants_table(verdicts, console.width))
+    _print_skipped(console, no_mutants, "no mutants")
     summary = Table(title="kvproof check")
-    for col in ("part", "items", "passed", "verdict"):
+    for col in ("part", "items", "passed", "skipped", "verdict"):
         summary.add_column(col, overflow="fold")
-    rows = [("prove (obligations + broken twins)", len(results), sum(r.ok for r in results)),
-            ("conform (components x pool configs)", len(reports), sum(r.passed for r in reports)),
-            ("mutants killed (test the tester)", len(verdicts), sum(v.killed for v in verdicts))]
-    for part, n, ok in rows:
-        summary.add_row(part, str(n), str(ok), "[green]pass[/]" if ok == n and n else "[red]FAIL[/]")
+    # a part with nothing to run passes only when the registry declares why (its components are skipped)
+    rows = [("prove (obligations + broken twins)", len(results), sum(r.ok for r in results), 0),
+            ("conform (components x pool configs)", len(reports), sum(r.passed for r in reports), len(no_suite)),
+            ("mutants killed (test the tester)", len(verdicts), sum(v.killed for v in verdicts), len(no_mutants))]
+    for part, n, ok, skips in rows:
+        summary.add_row(part, str(n), str(ok), str(skips), "[green]pass[/]" if ok == n and (n or skips)
+                        else "[red]FAIL[/]")
     console.print(summary)
-    sys.exit(0 if all(ok == n and n for _, n, ok in rows) else 1)
+    sys.exit(0 if all(ok == n and (n or skips) for _, n, ok, skips in rows) else 1)
 
 
 @main.command()
@@ -375,20 +381,22 @@ def mutants(profile: str, components: tuple[str, ...], json_report: str | None, 
 
     Exit codes: 0 every mutant killed, 1 one survived, 2 bad input or a harness error, 130 Ctrl-C.
     """
-    from kvproof.cli.conform import mutants_table, run_mutants
+    from kvproof.cli.conform import mutants_absent, mutants_table, run_mutants
     from kvproof.cli.progress import Progress
     from kvproof.cli.reports import mutants_json, mutants_junit
     from kvproof.conformance.report import write_document, write_junit_suites
 
     console = _console()
     so_far: list[Any] = []
+    skipped = mutants_absent(components)
 
     def write(verdicts: list[Any], status: str) -> None:
         so_far[:] = verdicts
         if json_report:
-            write_document(json_report, {**mutants_json(verdicts, complete=status == "complete"), "status": status})
+            write_document(json_report, {**mutants_json(verdicts, complete=status == "complete", skipped=skipped),
+                                         "status": status})
         if junit_xml:
-            write_junit_suites(junit_xml, [mutants_junit(verdicts)])
+            write_junit_suites(junit_xml, [mutants_junit(verdicts, skipped)])
 
     try:
         with Progress(console) as progress:
@@ -398,7 +406,14 @@ def mutants(profile: str, components: tuple[str, ...], json_report: str | None, 
         _interrupted(console, None)
     write(verdicts, "complete")
     console.print(mutants_table(verdicts, console.width))
-    sys.exit(0 if verdicts and all(v.killed for v in verdicts) else 1)
+    _print_skipped(console, skipped, "no mutants")
+    sys.exit(0 if (verdicts or skipped) and all(v.killed for v in verdicts) else 1)
+
+
+def _print_skipped(console: Console, skipped: list[tuple[str, str]], what: str) -> None:
+    """Components a part of the run skips (the registry declares the layer absent), each with the reason."""
+    for component, reason in skipped:
+        console.print(f"[yellow]{component}: skipped, {what} ({reason})[/]", highlight=False)
 
 
 @main.command()

@@ -53,7 +53,7 @@ from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
-from kvproof.reference.registry import Component, parse_components
+from kvproof.reference.registry import Component, Layer, info, parse_components
 
 __all__ = ["SECTIONS", "Section", "admission_decisions_per_second", "admission_round_table",
            "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
@@ -417,6 +417,15 @@ def _admission(quick: bool) -> Section:
         tables=[admission_round_table()])
 
 
+def _no_runtime(component: Component) -> Callable[[bool], Section]:
+    """The section of a component whose runtime the registry declares absent: a note with the declared reason."""
+    def section(quick: bool) -> Section:
+        reason = info(component).absent.get(Layer.RUNTIME, "no runtime")
+        return Section(notes=[f"{component.value}: skipped, no runtime to measure ({reason})"])
+
+    return section
+
+
 #: The benchmark's sections, one per component of the registry (``tests/test_registry.py`` checks the keys).
 SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.SWA_ALLOCATOR: _swa_allocator,
@@ -424,6 +433,7 @@ SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.DECODE_PREALLOC: _decode_prealloc,
     Component.HISPARSE_HOST: _hisparse_host,
     Component.ADMISSION: _admission,
+    Component.TP_PREFETCH: _no_runtime(Component.TP_PREFETCH),
 }
 
 

@@ -13,9 +13,9 @@ from kvproof.cli.progress import Progress
 from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, mutants_of
 from kvproof.conformance.plan import PlannedTest, RunEvents
 from kvproof.conformance.report import Outcome, RunInfo, write_json, write_junit
-from kvproof.reference.registry import Component, parse_components
+from kvproof.reference.registry import Component, Layer, info, parse_components
 
-__all__ = ["CLIEvents", "conform_table", "counts", "mutants_table", "print_reports", "run_mutants"]
+__all__ = ["CLIEvents", "conform_table", "counts", "mutants_absent", "mutants_table", "print_reports", "run_mutants"]
 
 
 def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
@@ -88,6 +88,13 @@ def run_mutants(profile: str, components: Iterable[Component | str] = (),
             if done is not None:
                 done(verdicts)
     return verdicts
+
+
+def mutants_absent(components: Iterable[Component | str] = ()) -> list[tuple[str, str]]:
+    """The selected components (default: all) whose mutants the registry declares absent, with the reason: reported
+    as skipped, never a survivor."""
+    chosen = parse_components(components) or tuple(Component)
+    return [(c.value, info(c).absent[Layer.MUTANTS]) for c in chosen if not info(c).has(Layer.MUTANTS)]
 
 
 def mutants_table(verdicts: list[MutantVerdict], width: int = 150) -> Table:

@@ -9,6 +9,7 @@ XML has one ``<testsuite>`` per part; a failure's ``message`` is its diagnosis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvproof.conformance.check import MutantVerdict
@@ -47,16 +48,22 @@ def prove_junit(results: list[Result]) -> JUnitSuite:
     return JUnitSuite("kvproof.prove", cases)
 
 
-def mutants_json(verdicts: list[MutantVerdict], *, complete: bool = True) -> dict[str, Any]:
+def mutants_json(verdicts: list[MutantVerdict], *, complete: bool = True,
+                 skipped: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """``skipped``: ``(component, reason)`` of the components without mutants (declared absent in the registry)."""
     rows = [{"component": v.component, "mutant": v.name, "killed": v.killed, "config": v.config,
              "seconds": round(v.seconds, 3), "evidence": v.evidence} for v in verdicts]
     return {"format": MUTANTS_FORMAT, **header(), **_status(complete),
-            "summary": {"mutants": len(verdicts), "killed": sum(v.killed for v in verdicts)}, "results": rows}
+            "summary": {"mutants": len(verdicts), "killed": sum(v.killed for v in verdicts),
+                        "skipped_components": len(skipped)},
+            "results": rows, "skipped": [{"component": c, "reason": reason} for c, reason in skipped]}
 
 
-def mutants_junit(verdicts: list[MutantVerdict]) -> JUnitSuite:
-    """A killed mutant is a passing case (its evidence in the text), a survivor a failure."""
+def mutants_junit(verdicts: list[MutantVerdict], skipped: Sequence[tuple[str, str]] = ()) -> JUnitSuite:
+    """A killed mutant is a passing case (its evidence in the text), a survivor a failure; a component without
+    mutants a skipped case."""
     cases = [Case(f"kvproof.mutants.{v.component}", v.name, v.seconds, "passed" if v.killed else "failed",
                   "" if v.killed else "survived every config: the suite does not catch this bug",
                   diagnosis(v.evidence)) for v in verdicts]
+    cases += [Case(f"kvproof.mutants.{c}", "(no mutants)", 0.0, "skipped", reason) for c, reason in skipped]
     return JUnitSuite("kvproof.mutants", cases)

@@ -13,6 +13,10 @@ this module. A run is planned from
 * the suites' own options (``--policy`` of ``decode_prealloc``);
 * skip and expected-failure files (:mod:`kvproof.conformance.report`).
 
+A chosen component whose suite the registry declares absent (``ComponentInfo.absent``) is no
+test: the plan lists it in ``absent`` with the declared reason, and :func:`run_plan` reports it
+as a ``skipped`` outcome (config :data:`NO_SUITE`), counted like any other skip.
+
 :func:`plan` returns the :class:`PlannedTest` list (one per component x config, id
 ``component/config``) and the warnings; :func:`run_planned` runs one and classifies it;
 :func:`run_plan` runs them all under one seed and returns what every report states.
@@ -33,10 +37,13 @@ from kvproof.conformance.generation import forced_seed
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
-from kvproof.reference.registry import Component, info, parse_components
+from kvproof.reference.registry import Component, Layer, info, parse_components
 
-__all__ = ["Impl", "Plan", "PlannedTest", "RunEvents", "declared_components", "load_factory", "load_impls", "plan",
-           "run_plan", "run_planned"]
+__all__ = ["NO_SUITE", "Impl", "Plan", "PlannedTest", "RunEvents", "declared_components", "load_factory",
+           "load_impls", "plan", "run_plan", "run_planned"]
+
+#: The config column of a component skipped because it has no lockstep suite yet.
+NO_SUITE = "(no suite)"
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -146,6 +153,12 @@ class Plan:
     tests: tuple[PlannedTest, ...]
     impls: tuple[Impl, ...]
     warnings: tuple[str, ...] = ()
+    #: chosen components without a suite, each with the registry's reason (reported as skipped)
+    absent: tuple[tuple[Component, str], ...] = ()
+
+    def skipped(self) -> list[Outcome]:
+        """The ``skipped`` outcome of every component without a suite."""
+        return [Outcome(c.value, NO_SUITE, "skipped", reason) for c, reason in self.absent]
 
     def impl_names(self) -> str:
         return ", ".join(dict.fromkeys(t.impl.spec for t in self.tests)) or ", ".join(i.spec for i in self.impls)
@@ -159,7 +172,8 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
         declared = [impl.serves for impl in impls]
         wanted = tuple(Component) if not impls or None in declared else parse_components(
             c for serves in declared for c in serves or ())
-    suites = [get_suite(c) for c in wanted]
+    absent = tuple((c, info(c).absent[Layer.SUITE]) for c in wanted if not info(c).has(Layer.SUITE))
+    suites = [get_suite(c) for c in wanted if info(c).has(Layer.SUITE)]
     known = {cfg.label() for suite in suites for cfg in suite.configs}
     unknown = [label for label in labels if label not in known]
     if unknown:
@@ -180,7 +194,7 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
         f"{impl.spec} declares no `components`, so it runs every suite ({', '.join(c.value for c in wanted)}); "
         "declare the ones it implements, e.g. components = frozenset({Component.SWA_ALLOCATOR})"
         for impl in impls if impl.serves is None]
-    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()))
+    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()), absent)
 
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
@@ -233,7 +247,7 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
     A ``--seed`` with a derandomized profile is a :class:`UsageError`.
     """
     events = events or RunEvents()
-    outcomes: list[Outcome] = []
+    outcomes: list[Outcome] = the_plan.skipped()
     versions: set[str] = set()
     derandomized = get_profile(profile).derandomize
     ids = [t.test_id for t in the_plan.tests]

@@ -44,6 +44,7 @@ class Component(enum.StrEnum):
     DECODE_PREALLOC = "decode_prealloc"
     HISPARSE_HOST = "hisparse_host"
     ADMISSION = "admission"
+    TP_PREFETCH = "tp_prefetch"
 
 
 class Layer(enum.StrEnum):
@@ -147,6 +148,21 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         options=(Option("budget", ("pre_27391", "upstream_27391", "upstream_0523", "corrected"), "corrected",
                         "admission: the prefill adder's SWA budget (pre_27391 runs out: S8; upstream_27391 starves: "
                         "S9)"),),
+    ),
+    ComponentInfo(
+        Component.TP_PREFETCH,
+        "cross-rank sidecar hit sync and all-or-nothing SWA prefetch under tensor parallelism (#27264): S10",
+        "§6, §7 T1-T5, §8 item 9, §9 S10",
+        # the runtime issue 13 asks for (not written yet: its suite is absent, so nothing loads it)
+        "kvproof.gpu_runtime.tp_prefetch:TPPrefetchRuntime",
+        absent={
+            Layer.RUNTIME: "issue 13 in progress: the multi-process torch.distributed runtime (gloo, 2-4 ranks) is not "
+                           "written yet; the reference and the Z3 model are",
+            Layer.SUITE: "issue 13 in progress: the multi-process lockstep suite (reference vs runtime, per-rank "
+                         "delays, mismatched collectives as bounded verdicts) is not written yet",
+            Layer.MUTANTS: "issue 13 in progress: the mutants (MIN -> MAX, local value, attach on a partial "
+                           "window, ...) come with the runtime and its suite",
+        },
     ),
 )})
 

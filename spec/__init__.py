@@ -15,7 +15,9 @@ transitions are named like the reference functions):
 * ``hisparse_host`` — the HiSparse paged host pool of PR #23606 (§4, §4.6 H0-H4,
   §9 S7);
 * ``admission`` — the prefill adder's SWA budget against HiCache load-back, PR
-  #27391 (§5, §7 A1-A3, §8 item 8, §9 S8 S9).
+  #27391 (§5, §7 A1-A3, §8 item 8, §9 S8 S9);
+* ``tp_prefetch`` — the cross-rank sidecar hit sync and all-or-nothing SWA prefetch
+  of PR #27264 and SGLang 0.5.23 (§6, §7 T1-T5, §8 item 9, §9 S10).
 
 The component names are listed here because ``kvproof.spec`` is a leaf (it imports
 z3 and the standard library only, never ``kvproof.reference.registry``);
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 #: The components, in registry order (``kvproof.reference.registry.Component``).
-COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission")
+COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission", "tp_prefetch")
 
 
 class ObligationRegistryError(Exception):

@@ -79,7 +79,10 @@ SHORT_CASES = _cases(small=False)
 
 
 #: components without legal implementations yet, each with the reason (a stale entry fails the test below)
-NOT_YET: dict[Component, str] = {}
+NOT_YET: dict[Component, str] = {
+    Component.TP_PREFETCH: "issue 13 (in progress): tp_prefetch has no lockstep suite yet, so no legal implementation "
+                           "can be run against one",
+}
 
 
 def test_every_component_has_legal_implementations() -> None:
