@@ -1129,9 +1129,10 @@ def _obligations() -> tuple[Obligation, ...]:
            "invariant", _round_consecution(SYSTEMS_BY_POLICY[up523], ["add_chunked_req"])),
         ob("add_chunked_req.keeps_round_invariant_upstream_0523.limit_after_decrement",
            "upstream_0523 reserving with rem_chunk_tokens after its decrement as the allocation limit (the tail "
-           "max(min(e, L) - W, 0) then shrinks) breaks A1's round clause",
-           _round_consecution(SYSTEMS_BY_POLICY[up523].with_transitions(add_chunked_req=functools.partial(
+           "max(min(e, L) - W, 0) then shrinks) breaks A1's round clause (search narrowed to small numbers)",
+           narrowed(_round_consecution(SYSTEMS_BY_POLICY[up523].with_transitions(add_chunked_req=functools.partial(
                add_chunked_req, policy=up523, limit_after_decrement=True)), ["add_chunked_req"]),
+               lambda s, a: [*_small(s, a), a.done <= 40]),
            "add_chunked_req.keeps_round_invariant_upstream_0523"),
         ob("add_chunked_req.a1",
            "an added continuation's chunk fits the room the round's pending chunks leave, with a page to spare "
