@@ -16,7 +16,11 @@ test's process is a matter of scheduling. Each test therefore starts from the sa
   applies to lockstep runs): a derandomized ``@given`` test draws the same examples whichever
   tests ran before it, serially or on either worker.
 
-A test process started with SIGINT ignored (``nohup``, a background job of a script) would
+The process environment is the one the tests' own ``os.environ`` shows, in the main process
+and on the workers alike: ``COLUMNS`` and ``LINES`` that GNU readline (imported by pytest)
+exported without ``os.environ`` knowing are removed, or a worker (a child of the main
+process) would inherit them and render the CLI at 80 columns, not at the 150 of a log. A
+test process started with SIGINT ignored (``nohup``, a background job of a script) would
 pass that on to the ``kvproof`` processes the tests interrupt with SIGINT; the default
 handler is restored so that those children get Ctrl-C as a user's run does.
 """
@@ -48,6 +52,12 @@ settings.load_profile(PROFILE)
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+for _name in ("COLUMNS", "LINES"):
+    if _name not in os.environ:
+        # set behind os.environ's back by GNU readline, which pytest imports (the size of a terminal it did not
+        # find, or of the one it found): the kvproof CLI honours COLUMNS, and the xdist workers would inherit it
+        os.unsetenv(_name)
 
 
 @pytest.fixture(autouse=True)
