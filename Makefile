@@ -1,10 +1,14 @@
 # kvproof: two entry points, both self-contained on a fresh machine.
 #   make check  -- set up, then run the main job (kvproof check: prove + conform)
-#   make test   -- set up, then lint (ruff, mypy, layering) and run every test
+#   make test   -- set up, then lint (ruff, mypy, layering) and run every test on $(TEST_WORKERS)
+#                  pytest-xdist workers (default 2, the CI machine's cores; TEST_WORKERS=0 runs serially)
 # Set-up installs the local CPU wheel torch==2.13.0 FIRST, so pip never fetches a CUDA build.
 
 PYTHON ?= python3
 VENV   ?= .venv
+# pytest-xdist workers for make test: 2 = the CI machine's cores (TEST_WORKERS=auto: one per core here).
+# Not more than the cores: some tests bound times (hang deadlines, kills within 30 s) for one test per core.
+TEST_WORKERS ?= 2
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvproof-installed
 
@@ -25,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/python tools/lint.py
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/kvproof bench

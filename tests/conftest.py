@@ -1,14 +1,67 @@
-"""Test-suite set-up: load kvproof's Hypothesis profile explicitly.
+"""Test-suite set-up: kvproof's Hypothesis profile, and tests that do not depend on the tests before them.
 
 CI sets CI=true, which would silently activate Hypothesis' built-in ``ci`` profile;
 kvproof registers its own ``ci`` / ``nightly`` / ``dev`` and loads one by name
 (``KVPROOF_PROFILE``, default ``ci``).
+
+``make test`` runs the suite on two pytest-xdist workers, so which tests ran earlier in a
+test's process is a matter of scheduling. Each test therefore starts from the same state:
+
+* its own empty working directory (its ``tmp_path``): what kvproof writes relative to the
+  working directory (failures saved under ``.kvproof/failures/``, replayed first by later
+  ``kvproof conform`` runs; the working directory that ``--impl`` falls back to importing
+  from) neither lands in the checkout nor reaches a test on another worker;
+* Hypothesis draws no constants from the local modules loaded so far
+  (:func:`kvproof.conformance.generation.stable_generation`, which ``run_check`` already
+  applies to lockstep runs): a derandomized ``@given`` test draws the same examples whichever
+  tests ran before it, serially or on either worker.
+
+The process environment is the one the tests' own ``os.environ`` shows, in the main process
+and on the workers alike: ``COLUMNS`` and ``LINES`` that GNU readline (imported by pytest)
+exported without ``os.environ`` knowing are removed, or a worker (a child of the main
+process) would inherit them and render the CLI at 80 columns, not at the 150 of a log. A
+test process started with SIGINT ignored (``nohup``, a background job of a script) would
+pass that on to the ``kvproof`` processes the tests interrupt with SIGINT; the default
+handler is restored so that those children get Ctrl-C as a user's run does.
 """
 
-import os
+from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 from hypothesis import settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 import kvproof.conformance.profiles  # noqa: F401  (registers the profiles)
+from kvproof.conformance.generation import stable_generation
 
-settings.load_profile(os.environ.get("KVPROOF_PROFILE", "ci"))
+PROFILE = os.environ.get("KVPROOF_PROFILE", "ci")
+_profile = settings.get_profile(PROFILE)
+if isinstance(_profile.database, DirectoryBasedExampleDatabase) and not _profile.database.path.is_absolute():
+    # nightly's .kvproof/hypothesis is relative to the working directory, which is each test's own (below):
+    # anchored where pytest started, as before, and shared by the workers (Hypothesis' directory database takes
+    # concurrent writers)
+    PROFILE = f"{PROFILE}-anchored"
+    settings.register_profile(PROFILE, settings(_profile, database=DirectoryBasedExampleDatabase(
+        _profile.database.path.absolute())))
+settings.load_profile(PROFILE)
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+for _name in ("COLUMNS", "LINES"):
+    if _name not in os.environ:
+        # set behind os.environ's back by GNU readline, which pytest imports (the size of a terminal it did not
+        # find, or of the one it found): the kvproof CLI honours COLUMNS, and the xdist workers would inherit it
+        os.unsetenv(_name)
+
+
+@pytest.fixture(autouse=True)
+def _independent_of_earlier_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.chdir(tmp_path)
+    with stable_generation():
+        yield

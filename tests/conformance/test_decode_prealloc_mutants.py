@@ -24,6 +24,10 @@ from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference import PoolConfig
 from kvproof.reference.errors import OutOfMemory
 
+# test_mutant_is_killed and test_kill_happens_on_the_mutated_path share each mutant's kill (``kill``, cached): on
+# one pytest-xdist worker (``make test`` runs ``--dist loadgroup``) it is computed once, not once per worker
+pytestmark = pytest.mark.xdist_group("decode_prealloc_mutants")
+
 Allocator = SWATokenToKVPoolAllocator
 CPU = torch.device("cpu")
 
