@@ -8,19 +8,28 @@ What it keeps (sglang_semantics.md §5, docs/contract.md "``AdmissionSystemUnder
   the root), each holding its SWA device pages; the protocol's node ids are positions in
   :attr:`LegalAdmission.nodes` (the setup's order; a load-back split appends the root-side rest);
 * the **requests** as :class:`_Request` objects, rid = arrival position, each with the nodes its
-  window lock holds (leaf first) and the pages of its chunk;
+  window lock holds (leaf first) and the SWA pages of its own tokens (out-of-window ones freed);
 * the open **round** (:class:`_Round`): the prefill adder's SWA offset, the chunk tokens left,
   the admitted requests, the chunked one.
 
 The scheduler's steps, as the contract states them (§5.1-§5.4; 0.5.23 for ``upstream_0523``):
 a request arrives at its best-match node; a round matches it (the Full device prefix, the Full
 host hit and the window walk's host tombstones at match time); ``add_one_req`` checks the
-budget of the setup's policy (outside the tree lock but for ``upstream_0523``), takes the window
-lock, checks again, loads back the window's host tombstones (``corrected``: only what the window
-needs, splitting the node), cuts a chunk and reserves; ``prepare_for_extend`` allocates the
-round's chunks; ``cache_finished_req`` gives a chunk back and releases its lock. Allocation
-evicts unlocked device SWA nodes, whole, in node order (the contract's stand-in for LRU), when
-the free list is short; a short pool raises ``OutOfMemory`` having changed nothing.
+budget of the setup's policy outside the tree lock, takes the window lock, checks again, loads
+back the window's host tombstones (``corrected``: only what the window needs, splitting the
+node), cuts a chunk and reserves. ``upstream_0523`` orders it as 0.5.23 does: a pin on the
+match's last device node (the deepest on the path with Full KV on device), the one check and the
+chunk from the match-time lengths under it (no page of chunk: ``OTHER``, nothing changed), the
+load-back only when the match found a host hit, then the window lock, then the pin dropped; its
+``budget_state`` does not stop at a chunked request. ``prepare_for_extend`` allocates the
+round's chunks (a continuation's pages start past its last, partly filled page);
+``cache_unfinished_req`` (a chunk ran, prompt left) grows the prefix and frees the pages of the
+request's own tokens wholly below ``done - W``, keeping its window lock; ``add_chunked_req``, first
+in the next round, adds ``min(rest, rem_chunk, rem_swa_tokens - P)`` tokens (not page-cut) or
+defers when that bound is not positive; ``cache_finished_req`` (prompt done) gives every page
+back and releases the lock. Allocation evicts unlocked device SWA nodes, whole, in node order
+(the contract's stand-in for LRU), when the free list is short; a short pool raises
+``OutOfMemory`` having changed nothing.
 
 Which page is handed out is the only freedom (docs/contract.md): :func:`fifo` (released pages at
 the back of the free list), :func:`lifo` (at the front), :func:`randomized` (each at a seeded
@@ -28,9 +37,9 @@ random place, the initial list shuffled too). Pages are always taken from the fr
 ``REJECTS_MISUSE`` is declared (misuse raises ``InvalidOperation`` before anything changes);
 ``EXACT_PAGE_ORDER`` is not.
 
-Adding an operation (e.g. ``add_chunked_req``, a chunked request's next chunk) composes the
-steps :meth:`LegalAdmission._fits`, :meth:`~LegalAdmission._lock`, :meth:`~LegalAdmission._load_back`,
-:meth:`~LegalAdmission._chunk` and :meth:`~LegalAdmission._reserve`.
+The operations compose the steps :meth:`LegalAdmission._fits`, :meth:`~LegalAdmission._lock`,
+:meth:`~LegalAdmission._load_back`, :meth:`~LegalAdmission._chunk`, :meth:`~LegalAdmission._reserve` and
+:meth:`~LegalAdmission._admit`.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from kvproof.reference.admission import (
     AdmissionSetup,
     AdmissionSnapshot,
     AdmissionState,
+    ChunkedResult,
     MatchResult,
     Node,
     PrefillAdder,
@@ -66,7 +76,8 @@ from .swa_allocator import Policy
 __all__ = ["LegalAdmission", "fifo", "lifo", "randomized"]
 
 DEVICE, HOST, NONE = SwaValue.DEVICE, SwaValue.HOST, SwaValue.NONE
-WAITING, ADMITTED, RUNNING, FINISHED = ReqStatus.WAITING, ReqStatus.ADMITTED, ReqStatus.RUNNING, ReqStatus.FINISHED
+WAITING, ADMITTED, RUNNING, FINISHED, CHUNKED = (ReqStatus.WAITING, ReqStatus.ADMITTED, ReqStatus.RUNNING,
+                                                 ReqStatus.FINISHED, ReqStatus.CHUNKED)
 
 
 def _up(x: int, p: int) -> int:
@@ -116,9 +127,9 @@ class _Request:
     status: ReqStatus = WAITING
     match: _Match | None = None
     locked: list[_Node] = field(default_factory=list)  # the window lock, leaf first
-    prefix_len: int = 0
-    extend_len: int = 0
-    pages: list[int] = field(default_factory=list)  # its chunk's SWA pages (once running)
+    prefix_len: int = 0  # matched (after load-back) plus the chunks already run and cached
+    extend_len: int = 0  # the scheduled chunk (0 while chunked)
+    pages: list[int] = field(default_factory=list)  # SWA pages of its own tokens, in token order, less those freed
 
 
 @dataclass
@@ -323,7 +334,8 @@ class LegalAdmission:
         """The policy's check now: (admit, the chunk limit the request's extend is cut to)."""
         rem = self._rem_swa_tokens()
         extend = req.prompt_len - self._path_len(req.node)  # after load-back: the Full host hit is not computed
-        if self.budget is AdmissionPolicy.UPSTREAM_0523:
+        if self.budget is AdmissionPolicy.UPSTREAM_0523:  # the match-time lengths (the match is fresh)
+            extend = req.prompt_len - match.device_prefix - match.host_hit
             needed = self._estimate(_up(extend, self.p), req.max_new_tokens, chunk, match.swa_host_hit)
             if needed < rem:
                 return True, chunk
@@ -361,7 +373,9 @@ class LegalAdmission:
     def _budget_state(self, rnd: _Round) -> AddReqResult:
         if self._rem_swa_tokens() <= 0:
             return AddReqResult.NO_TOKEN
-        if rnd.chunked is not None or (rnd.rem_chunk is not None and rnd.rem_chunk <= 0):
+        # 0.5.23 does not stop at a chunked request (its next add finds no page of chunk left)
+        stop_at_chunk = rnd.chunked is not None and self.budget is not AdmissionPolicy.UPSTREAM_0523
+        if stop_at_chunk or (rnd.rem_chunk is not None and rnd.rem_chunk <= 0):
             return AddReqResult.OTHER
         return AddReqResult.CONTINUE
 
@@ -402,7 +416,9 @@ class LegalAdmission:
         if req.match is None:
             raise InvalidOperation(op, "rid", f"request {rid} has no match (match_prefix_for_req first)")
         chunk = rnd.rem_chunk
-        if self.budget is not AdmissionPolicy.UPSTREAM_0523 and not self._fits(req, req.match, chunk)[0]:
+        if self.budget is AdmissionPolicy.UPSTREAM_0523:
+            return self._add_one_req_0523(rnd, rid, req, req.match)
+        if not self._fits(req, req.match, chunk)[0]:
             return AddReqResult.NO_TOKEN  # the check outside the tree lock
         held = self._lock(req.node)
         ok, limit = self._fits(req, req.match, chunk)  # inside the lock: its own window is protected now
@@ -422,6 +438,35 @@ class LegalAdmission:
             self._unlock(held)
             req.locked = []
             return AddReqResult.OTHER
+        return self._admit(rnd, rid, req, prefix, cut)
+
+    def _add_one_req_0523(self, rnd: _Round, rid: int, req: _Request, match: _Match) -> AddReqResult:
+        """0.5.23's order: a pin on the match's last device node; under it the check and the chunk from the match-time
+        lengths (``OTHER`` changes nothing), load-back only for a match with a host hit, the window lock, the pin
+        dropped."""
+        last = req.node
+        while last is not None and not last.full:  # the deepest node on the path whose Full KV is on device
+            last = last.parent
+        pin = self._lock(last)
+        ok, limit = self._fits(req, match, rnd.rem_chunk)
+        prefix = match.device_prefix + match.host_hit
+        cut = self._chunk(req.prompt_len - prefix, req.max_new_tokens, limit) if ok else None
+        if cut is None:
+            self._unlock(pin)
+            return AddReqResult.NO_TOKEN if not ok else AddReqResult.OTHER
+        if match.host_hit > 0 or match.swa_host_hit > 0:
+            try:
+                self._load_back(req, rid)
+            except OutOfMemory:
+                self._unlock(pin)
+                raise
+        req.locked = self._lock(req.node)
+        self._unlock(pin)
+        return self._admit(rnd, rid, req, prefix, cut)
+
+    def _admit(self, rnd: _Round, rid: int, req: _Request, prefix: int, cut: tuple[int, int, int, bool]
+               ) -> AddReqResult:
+        """The commit: the reservation, the request in the round holding its lock."""
         extend, input_tokens, max_new, chunked = cut
         self._reserve(rnd, input_tokens, max_new)
         rnd.admitted.append(rid)
@@ -429,6 +474,27 @@ class LegalAdmission:
             rnd.chunked = rid
         req.status, req.prefix_len, req.extend_len = ADMITTED, prefix, extend
         return self._budget_state(rnd)
+
+    def _own_len(self, req: _Request) -> int:
+        """Tokens the request computed itself beyond its matched path (0 before its first chunk ran)."""
+        return 0 if req.status is WAITING else req.prefix_len - self._path_len(req.node)
+
+    def add_chunked_req(self, rid: int) -> ChunkedResult:
+        """The next chunk of a chunked request: ``min(rem_chunk, rem_swa_tokens - P)`` tokens at most, not page-cut."""
+        op = "add_chunked_req"
+        rnd = self._open_round(op)
+        req = self._request(op, rid, CHUNKED)
+        avail = self._rem_swa_tokens() - self.p
+        if rnd.rem_chunk is not None:
+            avail = min(avail, rnd.rem_chunk)
+        if avail <= 0:
+            return ChunkedResult.DEFERRED
+        rest = req.prompt_len - req.prefix_len
+        size = min(rest, avail)
+        self._reserve(rnd, _up(size, self.p), req.max_new_tokens if rest <= avail else 0)
+        rnd.admitted.append(rid)
+        req.status, req.extend_len = ADMITTED, size
+        return ChunkedResult.TRUNCATED if rest > avail else ChunkedResult.LAST
 
     def init_load_back(self, rid: int) -> int:
         req = self._request("init_load_back", rid)
@@ -438,15 +504,38 @@ class LegalAdmission:
 
     def prepare_for_extend(self) -> None:
         rnd = self._open_round("prepare_for_extend")
-        need = {rid: -(-self.requests[rid].extend_len // self.p) for rid in rnd.admitted}
+        need = {}
+        for rid in rnd.admitted:  # a chunk fills the request's last, partly filled page first
+            req = self.requests[rid]
+            done = self._own_len(req)
+            need[rid] = -(-(done + req.extend_len) // self.p) - -(-done // self.p)
         pages = self._alloc("prepare_for_extend", sum(need.values()), rnd.admitted[0] if rnd.admitted else None)
         for rid, k in need.items():
-            req = self.requests[rid]
-            req.status, req.pages, pages = RUNNING, pages[:k], pages[k:]
+            req, mine = self.requests[rid], pages[:k]
+            req.status, pages = RUNNING, pages[k:]
+            req.pages.extend(mine)
         self.round = None
+
+    def cache_unfinished_req(self, rid: int) -> None:
+        """A chunk ran, prompt is left: the prefix grows, the pages of own tokens wholly below ``done - W`` go back."""
+        op = "cache_unfinished_req"
+        req = self._request(op, rid, RUNNING)
+        if req.prefix_len + req.extend_len >= req.prompt_len:
+            raise InvalidOperation(op, "rid", f"request {rid} computed its whole prompt: cache_finished_req")
+        if self.round is not None:
+            raise InvalidOperation(op, "state", "a round is open (the chunk's forward runs between rounds)")
+        done = self._own_len(req) + req.extend_len
+        kept = -(-done // self.p) - max(0, done - self.w) // self.p  # the tail from a page boundary covering W
+        self.free.release(req.pages[:len(req.pages) - kept])
+        req.pages = req.pages[len(req.pages) - kept:]
+        req.status, req.prefix_len, req.extend_len = CHUNKED, req.prefix_len + req.extend_len, 0
 
     def cache_finished_req(self, rid: int) -> None:
         req = self._request("cache_finished_req", rid, RUNNING)
+        if req.prefix_len + req.extend_len < req.prompt_len:
+            left = req.prompt_len - req.prefix_len - req.extend_len
+            raise InvalidOperation("cache_finished_req", "rid", f"request {rid} has {left} prompt tokens left: "
+                                                                "cache_unfinished_req")
         self._unlock(req.locked)
         self.free.release(req.pages)
         req.status, req.locked, req.pages = FINISHED, [], []

@@ -9,7 +9,7 @@ with ``kvproof conform --profile nightly --impl tests.legal.swa_allocator:fifo``
 other factories below; ``PYTHONPATH=.``).
 
 ``admission`` runs under its default budget (``corrected``) like every other component, and
-under every ``--budget`` value against kvproof's own runtime's verdicts (:data:`RUNTIME_VERDICTS`):
+under every ``--budget`` value against kvproof's own runtime's live verdicts (:func:`runtime_verdict`):
 ``pre_27391``, ``upstream_27391`` and ``upstream_0523`` break A1 (S8) or liveness (S9) on some
 configs, which is a property of the budget, not of the implementation: a legal system must fail
 there with the runtime's verdict and pass everywhere else.
@@ -24,6 +24,7 @@ another, and the page renaming still held the freed page's old partner.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvproof.conformance.check import get_suite, replay_vector, run_check
+from kvproof.conformance.check import CheckReport, get_suite, replay_vector, run_check
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.admission import AdmissionPolicy
@@ -117,60 +118,57 @@ def test_legal_implementation_passes_short_profiles(impl: str, component: Compon
 
 # ------------------------------------------------------------------ admission under every --budget
 
-P27391, U27391, U0523, CORRECTED = (AdmissionPolicy.PRE_27391, AdmissionPolicy.UPSTREAM_27391,
-                                    AdmissionPolicy.UPSTREAM_0523, AdmissionPolicy.CORRECTED)
-A1_ADD, A1_ROUND, LIVENESS = ("A1 violated: add_one_req admitted", "A1 violated: 'Prefill out of memory'",
-                              "liveness violated:")
-#: kvproof's runtime under each ``--budget`` on each admission config (``ci``; tests/conformance/test_admission.py
-#: pins S8 and S9 on ``long_tombstone``): ``None`` it passes, else the opening words of its verdict
-RUNTIME_VERDICTS: dict[tuple[AdmissionPolicy, str], str | None] = {
-    (P27391, "shared"): None, (P27391, "long_tombstone"): A1_ADD, (P27391, "page_edge"): A1_ROUND,
-    (P27391, "no_chunk"): A1_ADD,
-    (U27391, "shared"): None, (U27391, "long_tombstone"): LIVENESS, (U27391, "page_edge"): None,
-    (U27391, "no_chunk"): LIVENESS,
-    (U0523, "shared"): None, (U0523, "long_tombstone"): LIVENESS, (U0523, "page_edge"): None,
-    (U0523, "no_chunk"): LIVENESS,
-    (CORRECTED, "shared"): None, (CORRECTED, "long_tombstone"): None, (CORRECTED, "page_edge"): None,
-    (CORRECTED, "no_chunk"): None,
-}
 ADMISSION_SETUPS = {setup.name: setup for setup in get_suite(Component.ADMISSION).configs}
 ADMISSION_IMPLS = [impl for impl in LEGAL if impl.startswith("tests.legal.admission:")]
+#: every ``--budget`` but the default on every admission config (``corrected`` runs every legal system in CASES)
+BUDGET_CASES = [pytest.param(policy, name, id=f"{policy.value}-{setup.label()}")
+                for policy in AdmissionPolicy if policy is not AdmissionPolicy.CORRECTED
+                for name, setup in ADMISSION_SETUPS.items()]
 
 
-def _budget_cases() -> list[Any]:
-    """Every budget but the default (``corrected`` runs in CASES): where the runtime passes, every page reuse; where
-    it fails, FIFO (the verdict comes from the decisions, which page reuse does not change)."""
-    cases = []
-    for (policy, name), verdict in RUNTIME_VERDICTS.items():
-        if policy is CORRECTED:
-            continue
-        for impl in ADMISSION_IMPLS if verdict is None else ADMISSION_IMPLS[:1]:
-            cases.append(pytest.param(impl, policy, ADMISSION_SETUPS[name], verdict,
-                                      id=f"{impl.split(':')[1]}-{policy.value}-{ADMISSION_SETUPS[name].label()}"))
-    return cases
+@functools.cache
+def runtime_verdict(policy: AdmissionPolicy, name: str) -> CheckReport:
+    """kvproof's runtime under ``policy`` on the admission config ``name`` (``ci``), run once per session."""
+    return run_check(Component.ADMISSION, AdmissionRuntime, ADMISSION_SETUPS[name], profile="ci", impl_name="impl",
+                     failures_dir=None, policy=policy.value)
 
 
-def test_the_runtime_verdicts_cover_every_budget_and_config() -> None:
-    assert set(RUNTIME_VERDICTS) == {(p, name) for p in AdmissionPolicy for name in ADMISSION_SETUPS}
+def _first_failure_line(report: CheckReport) -> str:
+    """The verdict's header (config and step) and first line (what broke), as one line."""
+    return " ".join(line.strip() for line in (report.failure or "").split("\n")[:2])
+
+
+def test_the_budget_cases_cover_every_budget_and_config() -> None:
+    """Every budget on every admission config runs: the default in CASES (every legal system), the others here."""
+    default = {(AdmissionPolicy.CORRECTED, c.values[2].name) for c in CASES
+               if c.values[1] is Component.ADMISSION and c.values[0] in ADMISSION_IMPLS}
+    assert default | {(c.values[0], c.values[1]) for c in BUDGET_CASES} == {
+        (p, name) for p in AdmissionPolicy for name in ADMISSION_SETUPS}
     assert [i.rsplit(":", 1)[1] for i in ADMISSION_IMPLS] == ["fifo", "lifo", "randomized"]
 
 
-@pytest.mark.parametrize(("impl", "policy", "config", "verdict"), _budget_cases())
-def test_legal_admission_fails_exactly_where_the_runtime_does(impl: str, policy: AdmissionPolicy, config: Any,
-                                                              verdict: str | None) -> None:
-    """On ``long_tombstone`` (S8, S9 in a few steps) the verdict is the runtime's word for word: same budget, same
-    decisions, so the same shrunk failure, message and trace."""
-    if verdict is None:
-        _passes(impl, Component.ADMISSION, config, "ci", policy=policy.value)
+@pytest.mark.parametrize(("policy", "name"), BUDGET_CASES)
+def test_legal_admission_fails_exactly_where_the_runtime_does(policy: AdmissionPolicy, name: str) -> None:
+    """``pre_27391``, ``upstream_27391`` and ``upstream_0523`` break A1 (S8) or liveness (S9) on some configs, a
+    property of the budget, not of the implementation. Against the live verdict of kvproof's runtime: where it
+    passes, every page reuse passes; where it fails, FIFO fails (the verdict comes from the decisions, which page
+    reuse does not change) at the same step with the same first failure line."""
+    config = ADMISSION_SETUPS[name]
+    theirs = runtime_verdict(policy, name)
+    where = f"{policy.value} on {config.label()}"
+    if theirs.passed:
+        for impl in ADMISSION_IMPLS:
+            report = run_check(Component.ADMISSION, LEGAL[impl], config, profile="ci", impl_name=impl,
+                               failures_dir=None, policy=policy.value)
+            assert report.passed, f"{where}: the runtime passes, {impl} fails: {report.failure}"
+            assert report.steps > 0 and report.outcomes.get("ok", 0) > 0, f"{where}: {impl} ran nothing"
         return
+    impl = ADMISSION_IMPLS[0]
     ours = run_check(Component.ADMISSION, LEGAL[impl], config, profile="ci", impl_name="impl", failures_dir=None,
                      policy=policy.value)
-    assert not ours.passed, f"{policy.value} on {config.label()}: the runtime fails with {verdict!r}, legal passes"
-    assert (ours.failure or "").split("\n")[1].strip().startswith(verdict), ours.failure
-    if config.name == "long_tombstone":
-        theirs = run_check(Component.ADMISSION, AdmissionRuntime, config, profile="ci", impl_name="impl",
-                           failures_dir=None, policy=policy.value)
-        assert ours.failure == theirs.failure, theirs.failure
+    assert not ours.passed, f"{where}: the runtime fails with {_first_failure_line(theirs)!r}, {impl} passes"
+    assert _first_failure_line(ours) == _first_failure_line(theirs), (
+        f"{where}: {impl} fails otherwise than the runtime:\n{ours.failure}\n-- the runtime:\n{theirs.failure}")
 
 
 # ------------------------------------------------------------------ observation 1: the saved vectors
