@@ -21,6 +21,9 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 * ``hisparse_host``: tokens/s of the per-step eager backup (a batch of running requests,
   P_h = 64, pages opened as positions cross page boundaries) on the runtime in one
   vectorised call per step, on the runtime one request per call, and on the reference;
+* ``tp_prefetch``: per prefetch on a real group of 2 and of 4 rank processes (gloo on loopback), the milliseconds
+  of the storage-hit sync (one all-reduce and the command round trip) and of the whole check (five operations,
+  the commit included), their ratio, the group's start; and the lockstep's checked prefetches per second;
 * ``admission``: ``add_one_req`` decisions per second (each with its match, in rounds of 8
   requests over a HiCache tree, load-back and the round's allocation included) on the runtime
   and on the reference, and a table of how many requests one round admits under each policy
@@ -53,7 +56,7 @@ from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
-from kvproof.reference.registry import Component, Layer, info, parse_components
+from kvproof.reference.registry import Component, parse_components
 
 __all__ = ["SECTIONS", "Section", "admission_decisions_per_second", "admission_round_table",
            "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
@@ -417,13 +420,69 @@ def _admission(quick: bool) -> Section:
         tables=[admission_round_table()])
 
 
-def _no_runtime(component: Component) -> Callable[[bool], Section]:
-    """The section of a component whose runtime the registry declares absent: a note with the declared reason."""
-    def section(quick: bool) -> Section:
-        reason = info(component).absent.get(Layer.RUNTIME, "no runtime")
-        return Section(notes=[f"{component.value}: skipped, no runtime to measure ({reason})"])
+def tp_prefetch_sync_ms(world_size: int, prefetches: int) -> tuple[float, float, float]:
+    """One prefetch on a group of ``world_size`` rank processes (gloo on loopback): milliseconds for its storage-hit
+    sync alone (one all-reduce, the command round trip included) and for the whole check (five operations, three
+    to five all-reduces, the commit), per prefetch; and the seconds the group took to start."""
+    from kvproof.gpu_runtime import _ranks
+    from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
+    from kvproof.reference import tp_prefetch as tp
 
-    return section
+    group = tp.TPPrefetchGroup(name="bench", world_size=world_size, page_size=4, sliding_window=8,
+                               max_request_pages=8, existing=())
+    start = time.perf_counter()
+    runtime = TPPrefetchRuntime(group)
+    started = time.perf_counter() - start
+    ranks = [tp.RankProgress(storage_hit=8, full_pages=8)] * world_size
+    sync, whole = 0.0, 0.0
+    for _ in range(prefetches):
+        runtime = TPPrefetchRuntime(group)  # a fresh host side on the warm group
+        t0 = time.perf_counter()
+        runtime.initial_state(8, ranks)
+        t1 = time.perf_counter()
+        runtime.sync_prefetch_hit_query()
+        t2 = time.perf_counter()
+        for op in ("page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack", "handle_prefetch_result"):
+            getattr(runtime, op)()
+        t3 = time.perf_counter()
+        sync += t2 - t1
+        whole += t3 - t0
+    _ranks.release_all()
+    return sync / prefetches * 1e3, whole / prefetches * 1e3, started
+
+
+def tp_prefetch_lockstep_per_second(examples: int) -> tuple[float, float]:
+    """Checked prefetches (committed or waiting checks) and lockstep steps per second: the ``tp_prefetch`` suite
+    against the multi-process runtime on its two-rank config, in-process, a fixed derandomized profile."""
+    from kvproof.conformance.check import run_check
+    from kvproof.conformance.tp_prefetch import TP_CONFIGS
+    from kvproof.gpu_runtime import _ranks
+    from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
+
+    profile = settings(get_profile("ci"), max_examples=examples)
+    report = run_check(Component.TP_PREFETCH, TPPrefetchRuntime, TP_CONFIGS[0], settings=profile,
+                       impl_name="runtime", failures_dir=None, isolation="in-process")
+    _ranks.release_all()
+    if not report.passed:
+        raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
+    checks = report.calls.get("can_terminate_prefetch", 0)
+    return checks / report.seconds, report.steps / report.seconds
+
+
+def _tp_prefetch(quick: bool) -> Section:
+    prefetches, examples = (20, 10) if quick else (200, 40)
+    sync2, whole2, start2 = tp_prefetch_sync_ms(2, prefetches)
+    sync4, whole4, start4 = tp_prefetch_sync_ms(4, prefetches)
+    checks_per_s, steps_per_s = tp_prefetch_lockstep_per_second(examples)
+    return Section(rows={
+        "tp_prefetch hit sync per prefetch, 2 / 4 ranks (ms)": f"{sync2:.2f} / {sync4:.2f}",
+        "tp_prefetch whole check per prefetch, 2 / 4 ranks (ms)": f"{whole2:.2f} / {whole4:.2f}",
+        "tp_prefetch check, 4 ranks / 2 ranks": f"{whole4 / whole2:.2f}x",
+        "tp_prefetch group start, 2 / 4 ranks (s)": f"{start2:.1f} / {start4:.1f}",
+        "tp_prefetch lockstep prefetches/s (2 ranks, checks reaching the vote)": f"{checks_per_s:,.1f}",
+        "tp_prefetch lockstep steps/s (2 ranks)": f"{steps_per_s:,.1f}",
+    }, values={"tp_sync_ms_2": sync2, "tp_sync_ms_4": sync4, "tp_check_ms_2": whole2, "tp_check_ms_4": whole4,
+               "tp_lockstep_prefetches_per_s": checks_per_s, "tp_lockstep_steps_per_s": steps_per_s})
 
 
 #: The benchmark's sections, one per component of the registry (``tests/test_registry.py`` checks the keys).
@@ -433,7 +492,7 @@ SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.DECODE_PREALLOC: _decode_prealloc,
     Component.HISPARSE_HOST: _hisparse_host,
     Component.ADMISSION: _admission,
-    Component.TP_PREFETCH: _no_runtime(Component.TP_PREFETCH),
+    Component.TP_PREFETCH: _tp_prefetch,
 }
 
 

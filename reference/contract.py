@@ -31,7 +31,7 @@ not applicable and counted, never silently skipped.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvproof.reference.admission import AddReqResult, AdmissionSetup, AdmissionSnapshot, ChunkedResult
@@ -39,13 +39,14 @@ from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
+from kvproof.reference.tp_prefetch import PhaseReport, RankProgress, TPPrefetchGroup, TPPrefetchSnapshot
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["CALLER_OWNED_RESULTS", "PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
            "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest", "LocCacheSystemUnderTest",
-           "SWAAllocatorUnderTest"]
+           "SWAAllocatorUnderTest", "TPPrefetchFactory", "TPPrefetchUnderTest"]
 
 
 class Capability(enum.StrEnum):
@@ -247,6 +248,44 @@ class AdmissionSystemUnderTest(Protocol):
 
 AdmissionFactory = Callable[[AdmissionSetup], AdmissionSystemUnderTest]
 
+
+@runtime_checkable
+class TPPrefetchUnderTest(Protocol):
+    """Component ``tp_prefetch`` (sglang_semantics.md §6): one L3 prefetch at a time on a tensor-parallel group.
+
+    Built from a :class:`~kvproof.reference.tp_prefetch.TPPrefetchGroup` (world size, geometry, the host path every
+    rank starts from, the protocol variant). Each rank holds its own host tree and host pools (in its own process,
+    for a real group). One check of a prefetch is :meth:`initial_state` (the request and each rank's progress) and
+    the five operations of ``kvproof.reference.tp_prefetch`` in order; each returns a
+    :class:`~kvproof.reference.tp_prefetch.PhaseReport`: the collectives every rank made (its packed values and
+    the reduced result), a mismatched collective naming the ranks and shapes (within a bounded time: never a
+    hang), each rank's termination decision and commit. A check that waits (no rank terminates) keeps the
+    prefetch's buffers; the next :meth:`initial_state` continues the same request. After a mismatch the group is
+    unusable: the harness builds a new implementation. :meth:`close` stops every rank (idempotent).
+    """
+
+    capabilities: frozenset[Capability]
+    world_size: int
+
+    def initial_state(self, request_pages: int, ranks: Sequence[RankProgress]) -> None: ...
+
+    def sync_prefetch_hit_query(self) -> PhaseReport: ...
+
+    def page_transfer(self) -> PhaseReport: ...
+
+    def can_terminate_prefetch(self) -> PhaseReport: ...
+
+    def reduce_prefetch_ack(self) -> PhaseReport: ...
+
+    def handle_prefetch_result(self) -> PhaseReport: ...
+
+    def snapshot(self) -> TPPrefetchSnapshot: ...
+
+    def close(self) -> None: ...
+
+
+TPPrefetchFactory = Callable[[TPPrefetchGroup], TPPrefetchUnderTest]
+
 #: The protocols an implementation of each component meets (an allocator's KV pool included): every
 #: lockstep operation that acts on the implementation is a method of one of them (tests/test_registry.py).
 PROTOCOLS: dict[Component, tuple[type, ...]] = {
@@ -255,6 +294,7 @@ PROTOCOLS: dict[Component, tuple[type, ...]] = {
     Component.DECODE_PREALLOC: (SWAAllocatorUnderTest, KVPoolUnderTest),
     Component.HISPARSE_HOST: (HostPoolUnderTest,),
     Component.ADMISSION: (AdmissionSystemUnderTest,),
+    Component.TP_PREFETCH: (TPPrefetchUnderTest,),
 }
 
 #: Methods that hand the caller index tensors it owns from then on: no later call may write into what they

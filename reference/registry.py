@@ -153,16 +153,14 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         Component.TP_PREFETCH,
         "cross-rank sidecar hit sync and all-or-nothing SWA prefetch under tensor parallelism (#27264): S10",
         "§6, §7 T1-T5, §8 item 9, §9 S10",
-        # the runtime issue 13 asks for (not written yet: its suite is absent, so nothing loads it)
+        # N rank processes over a real torch.distributed group (gloo on loopback), started by the runtime itself
         "kvproof.gpu_runtime.tp_prefetch:TPPrefetchRuntime",
-        absent={
-            Layer.RUNTIME: "issue 13 in progress: the multi-process torch.distributed runtime (gloo, 2-4 ranks) is not "
-                           "written yet; the reference and the Z3 model are",
-            Layer.SUITE: "issue 13 in progress: the multi-process lockstep suite (reference vs runtime, per-rank "
-                         "delays, mismatched collectives as bounded verdicts) is not written yet",
-            Layer.MUTANTS: "issue 13 in progress: the mutants (MIN -> MAX, local value, attach on a partial "
-                           "window, ...) come with the runtime and its suite",
-        },
+        options=(Option("variant", ("upstream_0523", "pre_27264", "upstream_27264", "sum_hits", "best_effort_release"),
+                        "upstream_0523", "tp_prefetch: the cross-rank protocol (pre_27264 attaches different windows: "
+                        "S10; sum_hits: R5-c; best_effort_release: R5-d)"),
+                 Option("ranks", ("agree", "mixed"), "agree",
+                        "tp_prefetch: whether ranks share their termination policy, transfer set and registration "
+                        "(mixed: T5's mismatched collectives, T1)")),
     ),
 )})
 

@@ -157,15 +157,19 @@ __all__ = [
     "InsertResult",
     "Packed",
     "Phase",
+    "PhaseReport",
     "PoolName",
     "PrefetchState",
     "RankCommit",
     "RankProgress",
+    "RankSnapshot",
     "RankState",
     "ReduceOp",
     "SlotOwner",
     "SwaCommit",
     "TPPrefetchConfig",
+    "TPPrefetchGroup",
+    "TPPrefetchSnapshot",
     "TPPrefetchVariant",
     "TerminationPolicy",
     "TreeNode",
@@ -184,6 +188,8 @@ __all__ = [
     "pack_prefetch_ack",
     "pack_terminate_vote",
     "page_transfer",
+    "path_after",
+    "phase_report",
     "rank_handle_prefetch_result",
     "rank_page_transfer",
     "rank_proceeds",
@@ -959,6 +965,147 @@ def check_prefetch_progress(config: TPPrefetchConfig, ranks: Sequence[RankProgre
         if state.phase in (Phase.MISMATCHED, Phase.WAITING):
             break
     return state
+
+
+# ---------------------------------------------------------------- a group over many prefetches (runtime, suite)
+
+
+class TPPrefetchGroup(ConfigModel):
+    """A tensor-parallel group and its host side, over many prefetches: what a multi-process runtime is built from.
+
+    Every rank starts with the host path ``existing`` below the anchor (each node's Full host value, and its SWA
+    host value where ``swa_host``: one host page per node page in each pool). A prefetch of ``R`` pages
+    (``R * P`` tokens at least as long as the path, at most ``max_request_pages``) runs on the current path
+    (:meth:`check_config`); its commit becomes the next path (:func:`path_after`). The host pools are sized so that
+    a path of ``max_request_pages`` pages and one prefetch's buffers always fit (no host out-of-memory here).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    name: str = "group"
+    world_size: int = Field(ge=1, le=MAX_WORLD_SIZE, description="N: tensor-parallel ranks")
+    page_size: int = Field(ge=1)
+    sliding_window: int = Field(ge=1)
+    anchor_is_root: bool = False
+    existing: tuple[HostNode, ...] = ()
+    max_request_pages: int = Field(ge=1, le=64)
+    variant: TPPrefetchVariant = TPPrefetchVariant.UPSTREAM_0523
+
+    @model_validator(mode="after")
+    def _fits(self) -> TPPrefetchGroup:
+        self.check_config(max(self.max_request_pages, self.path_pages(self.existing)), self.existing)
+        if self.path_pages(self.existing) > self.max_request_pages:
+            raise ConfigError("TPPrefetchGroup", "existing", f"the path has {self.path_pages(self.existing)} pages, "
+                              f"more than max_request_pages {self.max_request_pages}")
+        return self
+
+    def label(self) -> str:
+        """Short id for test ids and reports, e.g. ``w2-N2-P2-W4-R8`` (the variant is a run option)."""
+        return f"{self.name}-N{self.world_size}-P{self.page_size}-W{self.sliding_window}-R{self.max_request_pages}"
+
+    @property
+    def sw_pages(self) -> int:
+        return ceil_div(self.sliding_window, self.page_size)
+
+    @property
+    def host_pages(self) -> int:
+        """Full host pool pages per rank: a full path plus one prefetch's buffer."""
+        return 2 * self.max_request_pages
+
+    @property
+    def swa_host_pages(self) -> int:
+        """SWA host pool pages per rank: a full path of SWA values plus one window buffer."""
+        return self.max_request_pages + max(self.sw_pages, self.max_request_pages)
+
+    def path_pages(self, path: Sequence[HostNode]) -> int:
+        return sum(n.length for n in path) // self.page_size
+
+    def check_config(self, request_pages: int, path: Sequence[HostNode]) -> TPPrefetchConfig:
+        """The one-prefetch config of a request of ``request_pages`` pages on ``path``."""
+        return TPPrefetchConfig(page_size=self.page_size, sliding_window=self.sliding_window,
+                                request_pages=request_pages, anchor_is_root=self.anchor_is_root,
+                                existing=tuple(path), variant=self.variant)
+
+    def with_variant(self, variant: TPPrefetchVariant | str) -> TPPrefetchGroup:
+        return self.model_copy(update={"variant": TPPrefetchVariant(variant)})
+
+
+def path_after(commit: RankCommit) -> tuple[HostNode, ...]:
+    """The host path a rank holds after ``commit`` (what the next prefetch starts from)."""
+    return tuple(HostNode(length=n.length, swa_host=n.swa_host) for n in commit.nodes)
+
+
+class RankSnapshot(BaseModel):
+    """One rank's host side between operations: its path below the anchor and its two host pools' slots.
+
+    ``*_held``: slots of a prefetch that has not committed yet (its buffers); after every check the release queue
+    and the IO thread's releases are drained (upstream: at the scheduler's next step and the IO thread's end).
+    """
+
+    model_config = _FROZEN
+
+    nodes: tuple[HostNode, ...]
+    full_capacity: int
+    full_free: int
+    full_in_tree: int
+    full_held: int
+    swa_capacity: int
+    swa_free: int
+    swa_in_tree: int
+    swa_held: int
+
+    def conservation_problem(self, page_size: int) -> str | None:
+        """What breaks slot conservation (every slot free, in the tree or held, once), or ``None``."""
+        pages = sum(n.length for n in self.nodes) // page_size
+        swa = sum(n.length for n in self.nodes if n.swa_host) // page_size
+        if self.full_in_tree != pages:
+            return f"the path's nodes span {pages} pages but the tree holds {self.full_in_tree} Full host slots"
+        if self.swa_in_tree != swa:
+            return f"the path's SWA host values span {swa} pages but the tree holds {self.swa_in_tree} SWA host slots"
+        for pool in ("full", "swa"):
+            cap, free, tree, held = (getattr(self, f"{pool}_{k}") for k in ("capacity", "free", "in_tree", "held"))
+            if free + tree + held != cap:
+                return (f"{pool} host pool: {free} free + {tree} in the tree + {held} held != capacity {cap} "
+                        f"(a slot lost or counted twice)")
+        return None
+
+
+class TPPrefetchSnapshot(BaseModel):
+    """Every rank's :class:`RankSnapshot`, in rank order."""
+
+    model_config = _FROZEN
+
+    ranks: tuple[RankSnapshot, ...]
+
+
+class PhaseReport(BaseModel):
+    """What one system operation did on every rank: the phase it reached, the collectives it made, a mismatched
+    collective (naming the ranks and the shapes), each rank's decision (``can_terminate_prefetch``) and commit
+    (``handle_prefetch_result``). ``seconds`` and ``detail`` (how a runtime saw a failure) are not compared."""
+
+    model_config = _FROZEN
+
+    op: str
+    phase: Phase
+    collectives: tuple[CollectiveCall, ...] = ()
+    mismatch: CollectiveMismatch | None = None
+    proceeds: tuple[bool | None, ...] = ()
+    commits: tuple[RankCommit, ...] = ()
+    seconds: float = 0.0
+    detail: str = ""
+
+    def compared(self) -> tuple[object, ...]:
+        """The fields two sides must agree on (a mismatch: its groups of ranks and their shapes)."""
+        return (self.op, self.phase, self.collectives, None if self.mismatch is None else self.mismatch.groups(),
+                self.proceeds, self.commits)
+
+
+def phase_report(op: str, before: PrefetchState, after: PrefetchState) -> PhaseReport:
+    """The reference's :class:`PhaseReport` of ``op`` from the states before and after it."""
+    proceeds = tuple(r.proceeds for r in after.ranks) if op == "can_terminate_prefetch" else ()
+    commits = tuple(r.commit for r in after.ranks if r.commit is not None) if op == "handle_prefetch_result" else ()
+    return PhaseReport(op=op, phase=after.phase, collectives=after.collectives[len(before.collectives):],
+                       mismatch=after.mismatch, proceeds=proceeds, commits=commits)
 
 
 # ---------------------------------------------------------------- invariants

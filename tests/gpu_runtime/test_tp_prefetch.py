@@ -1,0 +1,213 @@
+"""The multi-process ``tp_prefetch`` runtime: real rank processes over a real gloo group, checked against the
+reference call by call; mismatched collectives as bounded verdicts; nothing left running."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvproof.gpu_runtime import _ranks
+from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
+from kvproof.reference import tp_prefetch as tp
+from kvproof.reference.contract import TPPrefetchUnderTest
+from kvproof.reference.errors import InvalidOperation, InvariantViolation
+from kvproof.reference.registry import Component
+from kvproof.reference.tp_prefetch import HostNode, Phase, PoolName, RankProgress, TerminationPolicy, TPPrefetchVariant
+
+pytestmark = pytest.mark.xdist_group("ranks")  # rank processes: one worker at a time on the 2-core machine
+
+OPS = ("sync_prefetch_hit_query", "page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack",
+       "handle_prefetch_result")
+TIMEOUT = 2.0  # the group's collective timeout in these tests (the default is 3 s)
+
+
+def group(n: int, variant: TPPrefetchVariant = TPPrefetchVariant.UPSTREAM_0523, *, p: int = 2, w: int = 4,
+          r: int = 8, existing: tuple[HostNode, ...] = (HostNode(length=4, swa_host=True),
+                                                         HostNode(length=2, swa_host=False))) -> tp.TPPrefetchGroup:
+    return tp.TPPrefetchGroup(name="t", world_size=n, page_size=p, sliding_window=w, max_request_pages=r,
+                              existing=existing, variant=variant)
+
+
+def children() -> set[int]:
+    """Live rank processes of this process (by their command line)."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "kvproof.gpu_runtime._ranks"], capture_output=True,
+                         text=True, check=False).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left() -> object:
+    yield
+    _ranks.release_all()
+    deadline = time.monotonic() + 5
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children(), "rank processes left behind"
+
+
+def check(runtime: TPPrefetchRuntime, g: tp.TPPrefetchGroup, path: tuple[HostNode, ...], r: int,
+          ranks: list[RankProgress]) -> tp.PrefetchState:
+    """One check on both sides, compared operation by operation; the reference's final state."""
+    state = tp.initial_state(g.check_config(r, path), ranks)
+    runtime.initial_state(r, ranks)
+    for op in OPS:
+        before = state
+        state = getattr(tp, op)(state)
+        got = getattr(runtime, op)()
+        assert got.compared() == tp.phase_report(op, before, state).compared(), op
+        if state.phase in (Phase.WAITING, Phase.MISMATCHED):
+            break
+    return state
+
+
+def random_progress(rnd: random.Random, r: int, window: int, policy: TerminationPolicy) -> RankProgress:
+    missing = tuple(sorted(rnd.sample(range(window), rnd.randint(0, min(1, window)))))
+    return RankProgress(storage_hit=rnd.randint(0, r), full_pages=rnd.randint(0, r), io_done=rnd.random() < 0.7,
+                        deadline_passed=rnd.random() < 0.5, policy=policy, transfers=(PoolName.SWA,),
+                        swa_missing=missing)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_runtime_agrees_with_the_reference_on_random_checks(n: int) -> None:
+    """60 checks of prefetches on a growing host path: every collective, decision and commit as the reference's; the
+    paths equal across ranks and to the reference's, every host slot accounted for."""
+    g = group(n)
+    runtime = TPPrefetchRuntime(g, collective_timeout=TIMEOUT)
+    assert isinstance(runtime, TPPrefetchUnderTest) and Component.TP_PREFETCH in runtime.components
+    rnd = random.Random(n)
+    path, pending, committed = g.existing, None, 0
+    for _ in range(60):
+        r = pending or rnd.randint(max(g.path_pages(path), 1), g.max_request_pages)
+        window = g.sw_pages if r >= g.sw_pages else r
+        policy = rnd.choice(list(TerminationPolicy))
+        state = check(runtime, g, path, r, [random_progress(rnd, r, window, policy) for _ in range(n)])
+        pending = r if state.phase is Phase.WAITING else None
+        if state.phase is Phase.COMMITTED:
+            committed += 1
+            tp.check_tp_prefetch(state)
+            path = tp.path_after(state.ranks[0].commit)  # type: ignore[arg-type]
+        for rank in runtime.snapshot().ranks:
+            assert rank.nodes == path
+            assert rank.conservation_problem(g.page_size) is None
+    assert committed >= 20
+
+
+def test_s10_on_real_ranks_under_pre_27264() -> None:
+    """S10 (sglang_semantics.md §9): one rank misses a window page, the other fetched its whole window; with only the
+    completed count synced, rank 0 attaches the window and rank 1 drops it: the ranks' trees differ (T1)."""
+    g = group(2, TPPrefetchVariant.PRE_27264)
+    runtime = TPPrefetchRuntime(g, collective_timeout=TIMEOUT)
+    whole = RankProgress(storage_hit=8, full_pages=8)
+    state = check(runtime, g, g.existing, 8, [whole, whole.model_copy(update={"swa_missing": (1,)})])
+    commits = [r.commit for r in state.ranks]
+    assert commits[0] is not None and commits[1] is not None
+    assert commits[0].attached and not commits[1].attached
+    with pytest.raises(InvariantViolation, match=r"\[T1\]"):
+        tp.check_tp_prefetch(state)
+    a, b = (runtime.snapshot().ranks[i].nodes for i in (0, 1))
+    assert a != b
+
+
+def test_a_mismatched_collective_is_a_bounded_verdict_naming_ranks_and_shapes() -> None:
+    """Ranks with and without a trailing-pages transfer pack hit queries of different lengths (T5): on gloo the short
+    rank returns garbage or dies, the long ones time out. The runtime reports the mismatch, each rank's shape, within
+    the bound, and takes the group down."""
+    g = group(3)
+    runtime = TPPrefetchRuntime(g, collective_timeout=TIMEOUT)
+    pids = set(runtime.group.pids)
+    base = RankProgress(storage_hit=8, full_pages=8)
+    runtime.initial_state(8, [base, base, base.model_copy(update={"transfers": ()})])
+    start = time.monotonic()
+    report = runtime.sync_prefetch_hit_query()
+    seconds = time.monotonic() - start
+    assert report.phase is Phase.MISMATCHED and report.mismatch is not None
+    assert report.mismatch.groups() == {"MIN shape (12,)": (0, 1), "MIN shape (4,)": (2,)}
+    assert "rank 2: all_reduce(MIN) of 4 value(s) [hit, kv, mamba, swa]" in report.mismatch.describe()
+    assert seconds < 3 * TIMEOUT + _ranks.GRACE_S
+    assert not (pids & children()), "the broken group's ranks are still running"
+    with pytest.raises(InvalidOperation, match="gone after a failed collective"):
+        runtime.page_transfer()
+
+
+def test_a_rank_that_skips_a_collective_is_seen_at_the_timeout() -> None:
+    """A rank that never joins the completed-count all-reduce (the mutant ``last_rank_skips_ack``): the other waits
+    in it until the group's timeout; the runtime names both (the skipping rank: no call) after about that time."""
+    from kvproof.conformance.mutants.tp_prefetch import MUTANTS
+
+    g = group(2)
+    runtime = MUTANTS["last_rank_skips_ack"](g, collective_timeout=TIMEOUT)
+    whole = RankProgress(storage_hit=8, full_pages=8)
+    runtime.initial_state(8, [whole, whole])
+    for op in OPS[:3]:
+        getattr(runtime, op)()
+    start = time.monotonic()
+    report = runtime.reduce_prefetch_ack()
+    seconds = time.monotonic() - start
+    assert report.phase is Phase.MISMATCHED and report.mismatch is not None
+    assert report.mismatch.groups() == {"MIN shape (1,)": (0,), "no call": (1,)}
+    assert TIMEOUT * 0.8 < seconds < 2 * TIMEOUT + _ranks.GRACE_S
+    assert "rank 0: reduce_prefetch_ack failed after" in report.detail
+
+
+def test_bad_input_is_refused_before_any_rank_changes() -> None:
+    g = group(2)
+    runtime = TPPrefetchRuntime(g, collective_timeout=TIMEOUT)
+    before = runtime.snapshot()
+    with pytest.raises(InvalidOperation, match="progress values for 2 ranks"):
+        runtime.initial_state(8, [RankProgress(storage_hit=8, full_pages=8)])
+    with pytest.raises(InvalidOperation, match="no rank registered"):
+        runtime.initial_state(8, [RankProgress(storage_hit=8, full_pages=8, registered=False)] * 2)
+    assert runtime.snapshot() == before
+
+
+def test_the_group_refuses_bad_sizes_and_a_broken_group() -> None:
+    with pytest.raises(_ranks.RankGroupError, match=r"outside 1\.\.8"):
+        _ranks.RankGroup(9)
+    group_ = _ranks.RankGroup(2, collective_timeout=TIMEOUT)
+    group_.close()
+    with pytest.raises(_ranks.RankGroupError, match="broken"):
+        group_.command("snapshot")
+
+
+def test_ranks_die_with_a_killed_parent() -> None:
+    """A parent killed with SIGKILL (no atexit, no close) leaves no rank behind: each rank exits when its connection
+    closes, or the kernel kills it (PR_SET_PDEATHSIG)."""
+    script = textwrap.dedent("""
+        import sys, time
+        from kvproof.gpu_runtime import _ranks
+        g = _ranks.RankGroup(2, collective_timeout=2.0)
+        print(" ".join(map(str, g.pids)), flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if _alive(p)]
+            time.sleep(0.05)
+        assert not alive, f"ranks {alive} outlived their killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
