@@ -23,12 +23,20 @@ process) would inherit them and render the CLI at 80 columns, not at the 150 of 
 test process started with SIGINT ignored (``nohup``, a background job of a script) would
 pass that on to the ``kvproof`` processes the tests interrupt with SIGINT; the default
 handler is restored so that those children get Ctrl-C as a user's run does.
+
+Nothing the tests start may outlive them: every process started under this session carries
+``KVPROOF_TEST_SESSION`` in its environment, and at the end the main process looks for rank
+processes (``kvproof.gpu_runtime._ranks``, the ``tp_prefetch`` groups) still carrying it; any it
+finds after a grace period is killed and fails the session, named in the summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +57,7 @@ if isinstance(_profile.database, DirectoryBasedExampleDatabase) and not _profile
     settings.register_profile(PROFILE, settings(_profile, database=DirectoryBasedExampleDatabase(
         _profile.database.path.absolute())))
 settings.load_profile(PROFILE)
+SESSION = os.environ.setdefault("KVPROOF_TEST_SESSION", uuid.uuid4().hex)  # set by the main process, inherited
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -65,3 +74,54 @@ def _independent_of_earlier_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.chdir(tmp_path)
     with stable_generation():
         yield
+
+
+def _leftover_ranks() -> list[int]:
+    """Live rank processes started under this test session (any parent: an orphan too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"kvproof.gpu_runtime._ranks" not in cmdline:
+                continue
+            if f"KVPROOF_TEST_SESSION={SESSION}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().split()[2] == "Z":
+                continue
+        except OSError:
+            continue
+        found.append(int(entry.name))
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In the main process: no rank process of this session may be left (killed and a failure if one is)."""
+    if hasattr(session.config, "workerinput") or not Path("/proc").is_dir():
+        return
+    deadline = time.monotonic() + 15
+    left = _leftover_ranks()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _leftover_ranks()
+    session.config.stash[_LEFT] = left
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_LEFT = pytest.StashKey[list[int]]()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    left = terminalreporter.config.stash.get(_LEFT, None)
+    if left is None:
+        return
+    if left:
+        terminalreporter.write_line(f"FAILED: {len(left)} rank process(es) outlived the tests (killed): {left}",
+                                    red=True)
+    else:
+        terminalreporter.write_line("rank processes left behind: 0")
