@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-__all__ = ["CallRecord", "RankGroup", "RankGroupError", "RankReply", "acquire", "live_groups", "naming",
-           "release_all"]
+__all__ = ["CallRecord", "RankGroup", "RankGroupError", "RankReply", "acquire", "collective_device", "live_groups",
+           "naming", "release_all"]
 
 #: Seconds the parent allows beyond the collective timeout (process scheduling on a loaded machine).
 GRACE_S = 5.0
@@ -84,9 +84,15 @@ class RankReply:
 
 # ---------------------------------------------------------------- inside a rank process
 
-_conn: Any = None  # the rank's pipe to the parent
+_conn: Any = None  # the rank's connection to the parent
+_device = "cpu"  # where the rank's collective tensors live: "cpu" on gloo, "cuda:<rank>" on NCCL
 _naming: list[tuple[str, tuple[str, ...] | None]] = []
 _real_all_reduce: Callable[..., Any] | None = None
+
+
+def collective_device() -> str:
+    """The device a rank's collective tensors must be on (``cuda:<rank>`` when the group runs NCCL)."""
+    return _device
 
 
 @contextlib.contextmanager
@@ -149,7 +155,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(rank: int, world_size: int, address: str, timeout_s: float) -> None:
     """The body of one rank process: join the group, then serve commands until told to stop or the pipe closes."""
-    global _conn, _real_all_reduce
+    global _conn, _real_all_reduce, _device
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     conn = multiprocessing.connection.Client(address, family="AF_UNIX",
@@ -166,6 +172,7 @@ def _rank_main(rank: int, world_size: int, address: str, timeout_s: float) -> No
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if cuda:
             torch.cuda.set_device(rank)
+            _device = f"cuda:{rank}"
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
             store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,

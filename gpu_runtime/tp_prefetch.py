@@ -184,7 +184,7 @@ class TPPrefetchRank:
     def all_reduce(self, name: str, op: ReduceOp, values: Sequence[int], layout: Sequence[str]) -> list[int]:
         """One all-reduce of ``values`` (an int64 tensor, as upstream packs it) over the group, named for the
         harness; the reduced values."""
-        tensor = torch.tensor(list(values), dtype=_I64)
+        tensor = torch.tensor(list(values), dtype=_I64, device=_ranks.collective_device())
         with _ranks.naming(name, layout):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op is ReduceOp.MIN else dist.ReduceOp.MAX)
         return [int(v) for v in tensor.tolist()]
