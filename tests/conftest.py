@@ -58,6 +58,7 @@ if isinstance(_profile.database, DirectoryBasedExampleDatabase) and not _profile
         _profile.database.path.absolute())))
 settings.load_profile(PROFILE)
 SESSION = os.environ.setdefault("KVPROOF_TEST_SESSION", uuid.uuid4().hex)  # set by the main process, inherited
+os.environ["KVPROOF_TEST_PROCESS"] = str(os.getpid())  # this process (main or worker), inherited by what it starts
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -76,8 +77,10 @@ def _independent_of_earlier_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         yield
 
 
-def _leftover_ranks() -> list[int]:
-    """Live rank processes started under this test session (any parent: an orphan too)."""
+def leftover_ranks(*, this_process: bool = False) -> list[int]:
+    """Live rank processes started under this test session (any parent: an orphan too), or, with
+    ``this_process``, by this pytest process (main or worker) and what it started."""
+    marker = (f"KVPROOF_TEST_PROCESS={os.getpid()}" if this_process else f"KVPROOF_TEST_SESSION={SESSION}").encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -86,7 +89,7 @@ def _leftover_ranks() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
             if b"kvproof.gpu_runtime._ranks" not in cmdline:
                 continue
-            if f"KVPROOF_TEST_SESSION={SESSION}".encode() not in (entry / "environ").read_bytes().split(b"\0"):
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
             if (entry / "stat").read_text().split()[2] == "Z":
                 continue
@@ -101,10 +104,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput") or not Path("/proc").is_dir():
         return
     deadline = time.monotonic() + 15
-    left = _leftover_ranks()
+    left = leftover_ranks()
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _leftover_ranks()
+        left = leftover_ranks()
     session.config.stash[_LEFT] = left
     for pid in left:
         with contextlib.suppress(OSError):
@@ -125,3 +128,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                                     red=True)
     else:
         terminalreporter.write_line("rank processes left behind: 0")
+
+
+@pytest.fixture
+def no_rank_left() -> Iterator[None]:
+    """After the test: no rank process this pytest process started is still running (a grace period to exit)."""
+    yield
+    from kvproof.gpu_runtime import _ranks
+
+    _ranks.release_all()
+    deadline = time.monotonic() + 15
+    while leftover_ranks(this_process=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not leftover_ranks(this_process=True), "rank processes left behind"

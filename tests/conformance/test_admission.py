@@ -115,7 +115,7 @@ def test_the_budget_option_is_declared_once_and_maps_to_both_sides() -> None:
     """``--budget`` of admission comes from the registry; decode_prealloc's ``--policy`` values never reach it."""
     (option,) = info("admission").options
     assert option.name == "budget" and set(option.choices) == {p.value for p in AdmissionPolicy}
-    assert {o.name for o in options()} == {"policy", "budget"}
+    assert {o.name for o in options()} == {"policy", "budget", "variant", "ranks"}
     suite = get_suite("admission")
     assert suite.options({"budget": "upstream_27391"}) == {"policy": "upstream_27391"}
     assert suite.options({"policy": "upstream"}) == {"policy": "corrected"}  # decode_prealloc's option: not ours

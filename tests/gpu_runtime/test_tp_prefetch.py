@@ -35,21 +35,9 @@ def group(n: int, variant: TPPrefetchVariant = TPPrefetchVariant.UPSTREAM_0523, 
                               existing=existing, variant=variant)
 
 
-def children() -> set[int]:
-    """Live rank processes of this process (by their command line)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "kvproof.gpu_runtime._ranks"], capture_output=True,
-                         text=True, check=False).stdout
-    return {int(x) for x in out.split()}
-
-
 @pytest.fixture(autouse=True)
-def _nothing_left() -> object:
-    yield
-    _ranks.release_all()
-    deadline = time.monotonic() + 5
-    while children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not children(), "rank processes left behind"
+def _nothing_left(no_rank_left: None) -> None:
+    """Every test ends with no rank process of this pytest process running."""
 
 
 def check(runtime: TPPrefetchRuntime, g: tp.TPPrefetchGroup, path: tuple[HostNode, ...], r: int,
@@ -131,7 +119,7 @@ def test_a_mismatched_collective_is_a_bounded_verdict_naming_ranks_and_shapes() 
     assert report.mismatch.groups() == {"MIN shape (12,)": (0, 1), "MIN shape (4,)": (2,)}
     assert "rank 2: all_reduce(MIN) of 4 value(s) [hit, kv, mamba, swa]" in report.mismatch.describe()
     assert seconds < 3 * TIMEOUT + _ranks.GRACE_S
-    assert not (pids & children()), "the broken group's ranks are still running"
+    assert not any(_alive(pid) for pid in pids), "the broken group's ranks are still running"
     with pytest.raises(InvalidOperation, match="gone after a failed collective"):
         runtime.page_transfer()
 
