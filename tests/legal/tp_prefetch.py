@@ -29,6 +29,18 @@ the observed calls, position by position (``_``-named calls left out); the first
 calls differ in presence, op or length, or where a call failed or hung, is a
 :class:`~kvproof.reference.tp_prefetch.CollectiveMismatch` (phase ``mismatched``; the group is broken and closed).
 
+**Where the contract was not enough** (each found by a failing lockstep run, then settled by reading the
+reference's per-rank functions; docs/contract.md should say them): 0.5.23's pool-hit ACK packs ``kv = 0`` (no
+rank "fetches" KV as a pool) and is reduced only once *every* rank's IO thread finished (the ACK drain), not
+each rank's own; ``RankCommit.attached`` means the window passed the all-or-nothing check (the walk ran), even
+where no slice finds a tombstone; the sidecar keys before the sidecar step are the placeholders (SWA: one per
+buffer page; Mamba: 1, and ``min(1, hit)`` after); a rank's IO ``terminated`` (the #27264-era vote) is
+"finished and (short of the hit, or hit 0)"; in flight are the fetched buffer pages of a reached, unfinished IO
+thread; 0.5.23 discards only a prefetch with transfers (Full: ``[0, m)`` on the release queue, the rest the IO
+thread's; SWA: the release queue if the pool ACK was applied or ``best_effort_release``, else the IO thread's),
+and a kept one's Full tail past ``m`` is the IO thread's; ``written_after_release`` is every in-flight page the
+IO thread does not own.
+
 Host page ids and their reuse order are the only freedom (docs/contract.md): :func:`fifo` (released pages at
 the back of the free list), :func:`lifo` (at the front), :func:`randomized` (each at a seeded random place).
 No capability is declared.
