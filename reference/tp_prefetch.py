@@ -741,7 +741,9 @@ def pack_prefetch_ack(config: TPPrefetchConfig, rank: RankState) -> tuple[Packed
 
     #27264 era (on a rank that proceeds): one vector, ``[completed]`` (``pre_27264``) or ``[completed, hits of each
     transfer pool in component order]``; the second is ``None``. 0.5.23 (every registered rank): ``[completed]``,
-    and on a rank with sidecar transfers whose IO thread finished, ``[hits for pool in PoolName]``.
+    and on a rank with sidecar transfers whose IO thread finished, ``[hits for pool in PoolName]`` (0 in the slot of
+    a pool it did not fetch, KV's included); :func:`reduce_prefetch_ack` reduces that one only once every rank's IO
+    thread finished.
     """
     io = _io(rank, "reduce_prefetch_ack")
     p = rank.progress

@@ -66,6 +66,20 @@ def _module_component(impl: str) -> Component:
     return Component(impl.split(":")[0].rsplit(".", 1)[-1])
 
 
+#: ``tp_prefetch`` runs real rank processes (seconds per case, one xdist worker at a time) and compares host slot
+#: counts and paths, never slot ids, so its reuse policies add little: FIFO on every config under ``ci``; LIFO and
+#: random on the first config; the short profiles only random, on the first config
+_RANKS = pytest.mark.xdist_group("ranks")
+
+
+def _wanted(impl: str, component: Component, index: int, *, short: bool) -> bool:
+    if component is not Component.TP_PREFETCH:
+        return True
+    if short:
+        return impl.endswith(":randomized") and index == 0
+    return impl.endswith(":fifo") or index == 0
+
+
 def _cases(*, small: bool = True) -> list[Any]:
     cases = []
     for impl, factory in LEGAL.items():
@@ -74,9 +88,12 @@ def _cases(*, small: bool = True) -> list[Any]:
         probe = get_suite(_module_component(impl)).configs[0]
         for component in sorted(factory(probe).components):
             suite = get_suite(component)
-            for config in suite.configs:
-                cases.append(pytest.param(impl, component, config, id=f"{impl.split('.')[-1]}-{component.value}-"
-                                                                      f"{config.label()}"))
+            for index, config in enumerate(suite.configs):
+                if not _wanted(impl, component, index, short=not small):
+                    continue
+                marks = [_RANKS] if component is Component.TP_PREFETCH else []
+                cases.append(pytest.param(impl, component, config, marks=marks,
+                                          id=f"{impl.split('.')[-1]}-{component.value}-{config.label()}"))
     return cases
 
 
