@@ -1,0 +1,660 @@
+"""SGLang 0.5.23's real cross-rank prefetch sync and commit path, one rank per process, over a real gloo group.
+
+:class:`SGLangRankWorker` lives in one rank process, after ``torch.distributed.init_process_group("gloo", ...)`` of
+the TP group. It builds, per rank, a real ``UnifiedRadixCache`` (components FULL + SWA, the Python tree core so that
+the SWA component's ``_commit_prefetch`` runs; ``tree_core="rust"`` selects 0.5.23's default Rust core), real device
+pools (``SWAKVPool`` + ``SWATokenToKVPoolAllocator``), and a real ``HybridCacheController`` object whose constructor
+is skipped (``object.__new__``): it carries stand-in host pools and a stand-in storage backend, and its own methods
+run (``_storage_hit_query``, ``_sync_prefetch_hit_query``, ``_page_transfer`` with ``_page_transfer_sidecar``,
+``_reduce_prefetch_ack``, ``append_host_mem_release``, ``allocate_storage_hit``, ``terminate_prefetch``). The
+scheduler side is the cache's own: ``drain_storage_control_queues`` (its qsize MIN), ``_can_terminate_prefetch``,
+``check_prefetch_progress``, ``_handle_prefetch_result`` / ``_check_hybrid_prefetch_result``, ``insert_host``,
+``commit_hicache_transfers`` -> ``SWAComponent._commit_prefetch``. What is stood in and why, file:line for every
+call, and the differences from kvproof's reference: ``/work/notes/sglang_tp_prefetch.md``.
+
+The phases follow kvproof's five operations (:mod:`kvproof.reference.tp_prefetch`); each returns the collectives this
+rank made (``torch.distributed.all_reduce`` is wrapped for the duration: 0.5.23 calls it as a module attribute,
+``torch.distributed.all_reduce(...)``, managers/cache_controller.py:447 and mem_cache/unified_radix_cache.py:359/362).
+
+:func:`run_ranks` is a small self-contained launcher (spawned processes, a free loopback port, a bounded wait,
+every process killed and joined) until the shared harness replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["SGLangRankWorker", "run_ranks"]
+
+class _HostSlots:
+    """A page-granular host slot allocator standing in for one host pool's allocator (alloc / free / available_size).
+
+    Stand-in because the real ``MHATokenToKVPoolHost`` needs a full buffer geometry; only slot ownership matters
+    here. Frees are recorded so the worker can say who released which slot.
+    """
+
+    def __init__(self, name: str, pages: int, page_size: int) -> None:
+        self.name, self.page_size, self.size = name, page_size, pages * page_size
+        self.free_slots = torch.arange(self.size, dtype=torch.int64)
+        self.freed: list[int] = []
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        if need > self.free_slots.numel():
+            return None
+        out, self.free_slots = self.free_slots[:need].clone(), self.free_slots[need:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> int:
+        if indices is None or indices.numel() == 0:
+            return 0
+        live = set(self.free_slots.tolist())
+        dup = [int(i) for i in indices.tolist() if int(i) in live]
+        if dup:
+            raise RuntimeError(f"{self.name} host slots freed twice: {dup}")
+        self.freed += [int(i) for i in indices.tolist()]
+        self.free_slots = torch.cat([self.free_slots, indices.to(torch.int64)])
+        return int(indices.numel())
+
+
+class _Entry:
+    def __init__(self, name: Any, host_pool: _HostSlots) -> None:
+        self.name, self.host_pool, self.is_primary_index_anchor = name, host_pool, False
+
+
+class _HostGroup:
+    """Stands in for ``HostPoolGroup`` (the controller's ``mem_pool_host`` and the cache's ``host_pool_group``)."""
+
+    def __init__(self, pool_name_swa: Any, full: _HostSlots, swa: _HostSlots) -> None:
+        self.full, self.swa = full, swa
+        self.page_size = full.page_size
+        self.anchor_entry = _Entry("kv", full)
+        self.entry_map = {pool_name_swa: _Entry(pool_name_swa, swa)}
+        self.entries = [self.anchor_entry, *self.entry_map.values()]
+        self.size = full.size
+        self.logical_size = full.size
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        return self.full.alloc(need)
+
+    def free(self, indices: torch.Tensor, pool: Any = None) -> int:
+        return (self.full if pool is None or str(pool) == "kv" else self.swa).free(indices)
+
+    def available_size(self) -> int:
+        return self.full.available_size()
+
+    def clear(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def layout_lease(self) -> Iterator[None]:
+        yield
+
+
+class _Storage:
+    """The stand-in storage backend: answers from this rank's :class:`RankProgress` (module docstring of the notes)."""
+
+    def __init__(self) -> None:
+        self.hit = 0  # pages the existence query reports
+        self.full_pages = 0  # Full pages whose read succeeds (the rest fail: the rank's pace/failure)
+        self.swa_missing: tuple[int, ...] = ()
+        self.mamba_missing = False
+        self.pools: tuple[str, ...] = ()  # pools the existence query reports a verdict for
+        self.result_cls: Any = None
+        self.kv_reads = 0
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return min(self.hit, len(keys))
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any, extra_info: Any = None) -> Any:
+        hit = min(self.hit, len(keys))
+        return self.result_cls(kv_hit_pages=hit, extra_pool_hit_pages={p: hit for p in self.pools})
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        start, self.kv_reads = self.kv_reads, self.kv_reads + len(keys)
+        return [start + i < self.full_pages for i in range(len(keys))]
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            n = len(t.keys or ())
+            if str(t.name) == "swa":
+                out[str(t.name)] = [i not in self.swa_missing for i in range(n)]
+            else:
+                out[str(t.name)] = [not self.mamba_missing] * n
+        return out
+
+
+class _Recorder:
+    """Wraps ``torch.distributed.all_reduce`` while installed: records op, values passed, result, and which group."""
+
+    def __init__(self, groups: dict[Any, str]) -> None:
+        self.groups = groups
+        self.calls: list[dict[str, Any]] = []
+        self.silent: set[Any] = set()
+        self._real = torch.distributed.all_reduce
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[list[dict[str, Any]]]:
+        self.calls = []
+        real = self._real
+
+        def all_reduce(tensor: torch.Tensor, op: Any = torch.distributed.ReduceOp.SUM, group: Any = None,
+                       async_op: bool = False) -> Any:
+            if group in self.silent:
+                return real(tensor, op=op, group=group, async_op=async_op)
+            values = [int(v) for v in tensor.flatten().tolist()]
+            name = self.groups.get(group, f"unknown_group_{id(group)}")
+            kind = "min" if op == torch.distributed.ReduceOp.MIN else "max" if op == torch.distributed.ReduceOp.MAX \
+                else str(op)
+            entry = {"name": name, "op": kind, "values": values, "result": None}
+            self.calls.append(entry)
+            out = real(tensor, op=op, group=group, async_op=async_op)
+            entry["result"] = [int(v) for v in tensor.flatten().tolist()]
+            return out
+
+        torch.distributed.all_reduce = all_reduce
+        try:
+            yield self.calls
+        finally:
+            torch.distributed.all_reduce = real
+
+
+class SGLangRankWorker:
+    """One rank of SGLang 0.5.23's TP prefetch, on CPU (module docstring; the notes file says what is real)."""
+
+    def __init__(self, group: dict[str, Any], rank: int, world_size: int) -> None:
+        from kvproof.conformance.adapters.sglang import import_sglang_modules, load_sglang
+        from kvproof.conformance.adapters.sglang_admission import _publish_server_args
+
+        self.rank, self.world_size = rank, world_size
+        self.P, self.W = int(group["page_size"]), int(group["sliding_window"])
+        self.anchor_is_root = bool(group.get("anchor_is_root", False))
+        self.max_pages = int(group["max_request_pages"])
+        self.tree_core_name = str(group.get("tree_core", "python"))
+        sg = load_sglang()
+        _publish_server_args(self.P)
+        (self.urc, cip, ctm, mp, rk, bpc, hs, hcc, base) = import_sglang_modules(
+            "sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.cache_init_params",
+            "sglang.srt.mem_cache.unified_cache.component_type", "sglang.srt.mem_cache.memory_pool",
+            "sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache",
+            "sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+            "sglang.srt.mem_cache.unified_cache.components.base")
+        self.hs, self.hcc, self.RadixKey, self.Handle = hs, hcc, rk.RadixKey, bpc.CacheRequestHandle
+        self.CT, self.Phase = ctm.ComponentType, base.CacheTransferPhase
+        P = self.P
+        sw_pages = -(-self.W // P)
+        host_pages = 2 * self.max_pages + 2  # + the anchor
+        swa_host_pages = self.max_pages + max(sw_pages, self.max_pages) + 2
+        size = 4 * (self.max_pages + 2) * P
+        kv = sg.SWAKVPool(size=size, size_swa=size, page_size=P, dtype=torch.float32, head_num=1, head_dim=2,
+                          swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+        alloc = sg.SWATokenToKVPoolAllocator(size, size, P, torch.float32, "cpu", kv, need_sort=False)
+        r2t = mp.ReqToTokenPool(size=4, max_context_len=size, device="cpu", enable_memory_saver=False)
+        world = torch.distributed.group.WORLD
+        ranks = list(range(world_size))
+        # 0.5.23 builds dedicated gloo groups for the two controller reductions (cache_controller.py:404-429,
+        # create_custom_parallel_group(backend="gloo")); new_group(backend="gloo") is the same kind of group.
+        self.hits_group = torch.distributed.new_group(ranks, backend="gloo")
+        self.completion_group = torch.distributed.new_group(ranks, backend="gloo")
+        self.harness_group = torch.distributed.new_group(ranks, backend="gloo")
+        self.tp_group = world
+        params = cip.CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                                     page_size=P, sliding_window_size=self.W, tp_cache_group=world,
+                                     tree_components=(self.CT.FULL, self.CT.SWA), tree_core_backend=self.tree_core_name)
+        cache = self.cache = self.urc.UnifiedRadixCache(params)
+        self.swa = cache.components[self.CT.SWA]
+        self.full_host = _HostSlots("Full", host_pages, P)
+        self.swa_host = _HostSlots("SWA", swa_host_pages, P)
+        host = _HostGroup(hs.PoolName.SWA, self.full_host, self.swa_host)
+        # What init_hicache (unified_radix_cache.py:455) would have set, without its HybridCacheController.__init__
+        # (which starts IO threads and attaches a real storage backend).
+        self.swa._swa_kv_pool_host = self.swa_host
+        cache.host_pool_group = host
+        cc = self.cc = object.__new__(hcc.HybridCacheController)
+        cc.page_size = P
+        cc.mem_pool_host = host
+        cc.host_memory_mode = "cache"
+        cc.prefetch_capacity_limit = 1 << 30
+        cc.prefetch_tokens_occupied = 0
+        cc.pp_prefetch_decisions = {}
+        cc.prefetch_hits_sync_groups = [self.hits_group]
+        cc.prefetch_completion_sync_groups = [self.completion_group]
+        cc.host_mem_release_queue = queue_mod.Queue()
+        cc.extra_host_mem_release_queues = {hs.PoolName.SWA: queue_mod.Queue()}
+        for name in ("prefetch_queue", "prefetch_hit_queue", "prefetch_buffer", "prefetch_sync_queue",
+                     "ack_prefetch_queue", "ack_backup_queue"):
+            setattr(cc, name, queue_mod.Queue())
+        cc.storage_backend = self.storage = _Storage()
+        self.storage.result_cls = hs.PoolTransferResult
+        cc.page_get_func = cc._page_get_zero_copy
+        cc.enable_storage = True
+        cache.cache_controller = cc
+        cache.tree_core.set_hicache_enabled()
+        cache.tree_core.has_swa_host_pool = True
+        cache.enable_storage = True
+        cache.prefetch_threshold = P  # one page (default 256 tokens): a synced hit of 0 is revoked (below threshold)
+        self.recorder = _Recorder({self.hits_group: "sync_prefetch_hit_query",
+                                   self.completion_group: "reduce_prefetch_ack", world: "tp_group"})
+        self.recorder.silent.add(self.harness_group)
+        self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * P))
+        self.anchor = self._build_anchor()
+        self._build_existing(group.get("existing", ()))
+        self.handle: Any = None
+        self.prefetches = 0
+        self.vote: bool | None = None
+        self.io_ran = False
+
+    # ------------------------------------------------------------ set-up of the host path (identical on every rank)
+
+    def _key(self, start: int, end: int) -> Any:
+        return self.RadixKey(self.tokens[start:end])
+
+    def _offset(self) -> int:
+        return 0 if self.anchor_is_root else self.P
+
+    def _build_anchor(self) -> Any:
+        core = self.cache.tree_core
+        root = core.root_node.id if hasattr(core.root_node, "id") else core.root_node
+        if self.anchor_is_root:
+            return root
+        res = core.insert_host(root, self._key(0, self.P), self.full_host.alloc(self.P), ["anchor-hash"])
+        self.cache._apply_cache_actions(res.cache_actions)
+        return res.inserted_host_node
+
+    def _build_existing(self, existing: Sequence[Any]) -> None:
+        core, off, pos = self.cache.tree_core, self._offset(), 0
+        for item in existing:
+            length, swa_host = (item["length"], item.get("swa_host", False)) if isinstance(item, dict) else item
+            new = self.full_host.alloc(length)
+            value = torch.cat([torch.full((pos,), -1, dtype=torch.int64), new])
+            hashes = [f"pre-{i}" for i in range((pos + length) // self.P)]
+            res = core.insert_host(self.anchor, self._key(off, off + pos + length), value, hashes)
+            self.cache._apply_cache_actions(res.cache_actions)
+            if swa_host:
+                node = core.node_by_id(res.inserted_host_node)
+                self.swa._attach_swa_host_value(node, self.swa_host.alloc(length))
+            pos += length
+
+    def _path(self) -> list[Any]:
+        """The nodes below the anchor along the key (Python core: node objects)."""
+        core, nodes = self.cache.tree_core, []
+        node, off, pos = core.node_by_id(self.anchor), self._offset(), 0
+        while True:
+            child = next((c for c in node.children.values()
+                          if list(c.key.token_ids[:1]) == self.tokens[off + pos:off + pos + 1]), None)
+            if child is None:
+                return nodes
+            nodes.append(child)
+            pos += len(child.key)
+            node = child
+
+    # ------------------------------------------------------------ the phases
+
+    def _phase(self, fn: Any) -> dict[str, Any]:
+        with self.recorder.installed() as calls:
+            out = fn() or {}
+        return {"calls": list(calls), **out}
+
+    def initial_state(self, request_pages: int, progress: Any) -> dict[str, Any]:
+        """Start one prefetch of ``request_pages`` pages below the anchor, or update the progress of the ongoing one
+        (after a check that said wait). Mirrors prefetch_from_storage (unified_radix_cache.py:2081-2257) with the
+        components' real prepare_prefetch / build_hicache_transfers; no collective."""
+        st = self.storage
+        st.hit, st.full_pages = int(progress.storage_hit), int(progress.full_pages)
+        st.swa_missing, st.mamba_missing = tuple(progress.swa_missing), bool(progress.mamba_missing)
+        self.progress = progress
+        self.cache.prefetch_stop_policy = str(progress.policy.value)
+        if self.handle is not None and self.handle in self.cache.ongoing_prefetch:
+            self._set_deadline()
+            return {"calls": [], "continued": True}
+        self.request_pages, self.handle, self.vote, self.io_ran = int(request_pages), None, None, False
+        self.prefetches += 1
+        st.kv_reads = 0
+        if not progress.registered:
+            return {"calls": [], "registered": False}
+        hs, cache, off, P = self.hs, self.cache, self._offset(), self.P
+        key = self._key(off, off + self.request_pages * P)
+        handle = self.Handle(f"req-{self.prefetches}", 0)
+        lock = cache.inc_host_lock_ref(self.anchor).to_dec_params()
+        comp_xfers: dict[Any, list[Any]] = {}
+        names = [str(p.value) for p in progress.transfers]
+        if "swa" in names:
+            prep = self.swa.prepare_prefetch(self.anchor, prefetch_tokens=len(key))
+            if prep.staging_tokens:
+                xfers = cache.tree_core.build_hicache_transfers(
+                    self.CT.SWA, self.anchor, self.Phase.PREFETCH, token_ids=key.token_ids,
+                    prefetch_tokens=len(key), staging_tokens=prep.staging_tokens, last_hash=None)
+                if xfers:
+                    comp_xfers[self.CT.SWA] = xfers
+        aux = [x for xs in comp_xfers.values() for x in xs]
+        if "mamba" in names:  # no Mamba component in this tree: a bare trailing-page transfer (notes §stand-ins)
+            aux.append(hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=["__placeholder__"],
+                                       hit_policy=hs.PoolHitPolicy.TRAILING_PAGES))
+        st.pools = tuple(str(t.name) for t in aux)
+        op = self.hcc.PrefetchOperation(handle, key, None, None, aux or None)
+        op.stats_requested_tokens = len(key)
+        cache.ongoing_prefetch[handle] = self.urc._OngoingPrefetch(self.anchor, key, None, op, lock, comp_xfers)
+        self.cc.prefetch_tokens_occupied += len(key)
+        self.handle, self.op, self.comp_xfers = handle, op, comp_xfers
+        self._set_deadline()
+        return {"calls": [], "registered": True, "window_buffer_pages": self._window_keys(),
+                "transfers": list(st.pools)}
+
+    def _window_keys(self) -> int:
+        xs = self.comp_xfers.get(self.CT.SWA, []) if self.handle is not None else []
+        return len(xs[0].keys or ()) if xs else 0
+
+    def _set_deadline(self) -> None:
+        if self.handle is None:
+            return
+        wait = self.cache._storage_prefetch_wait.get(self.handle)
+        if self.progress.deadline_passed:
+            if wait is None:
+                wait = self.urc._StoragePrefetchWait(timeout_s=0.0)
+                self.cache._storage_prefetch_wait[self.handle] = wait
+            wait.expired = True
+
+    def _ongoing(self) -> bool:
+        return self.handle is not None and self.handle in self.cache.ongoing_prefetch
+
+    def sync_prefetch_hit_query(self) -> dict[str, Any]:
+        """The prefetch thread's work (cache_controller.py:1333-1369): the real ``_storage_hit_query``
+        (hybrid_cache_controller.py:1419) and ``_sync_prefetch_hit_query`` (:1468, one MIN), the truncation, then the
+        scheduler's real ``drain_storage_control_queues`` (unified_radix_cache.py:3298: a qsize MIN over the TP group,
+        then ``_try_alloc_storage_hit``: hit-sized Full and SWA staging, or a revoke below the threshold)."""
+        def run() -> dict[str, Any]:
+            if not self._ongoing() or self.op.host_indices is not None or self.io_ran:
+                return {"skipped": True}
+            cc, op = self.cc, self.op
+            hash_value, count = cc._storage_hit_query(op)
+            synced = cc._sync_prefetch_hit_query(op, count)
+            op.hash_value = hash_value[: synced // self.P]
+            op.storage_hit_count = synced
+            cc.prefetch_hit_queue.put(op)
+            self.cache.drain_storage_control_queues()
+            out = {"local_hit": count // self.P, "synced_hit": synced // self.P,
+                   "revoked": not self._ongoing(), "query_pool_hit_pages": {str(k): v for k, v in
+                                                                            op.query_pool_hit_pages.items()}}
+            if self._ongoing():
+                out["full_staging_pages"] = int(op.host_indices.numel()) // self.P
+                xs = self.comp_xfers.get(self.CT.SWA, [])
+                out["swa_staging_pages"] = (int(xs[0].host_indices.numel()) // self.P
+                                            if xs and xs[0].host_indices is not None else 0)
+            return out
+        return self._phase(run)
+
+    def page_transfer(self) -> dict[str, Any]:
+        """The IO aux thread (cache_controller.py:1247-1267): the real ``_page_transfer_with_stable_layout``
+        (hybrid_cache_controller.py:1608: KV batches, one completed-tokens ACK each, then ``_page_transfer_sidecar``
+        :1615, one pool-hits ACK), then the completed_req ACK. Runs only once the rank's IO is done
+        (``io_done``); before that it is in flight and has emitted no ACK (one 128-page batch)."""
+        def run() -> dict[str, Any]:
+            if self.handle is None or self.io_ran or self.op.host_indices is None:
+                return {"ran": False}
+            if not self.progress.io_done:
+                return {"ran": False, "in_flight": True}
+            op, cc = self.op, self.cc
+            try:
+                cc._page_transfer_with_stable_layout(op)
+            finally:
+                cc.prefetch_sync_queue.put(self.hs_ack(op))
+            self.io_ran = True
+            return {"ran": True, "acks": [self._ack_kind(a) for a in list(cc.prefetch_sync_queue.queue)]}
+        return self._phase(run)
+
+    def hs_ack(self, op: Any) -> Any:
+        from sglang.srt.managers.cache_controller import PrefetchAck
+        return PrefetchAck(rid=op.request_id, completed_req=True, operation=op)
+
+    @staticmethod
+    def _ack_kind(ack: Any) -> str:
+        if ack.completed_tokens is not None:
+            return f"completed_tokens={ack.completed_tokens}"
+        if ack.pool_hits is not None:
+            return f"pool_hits={dict(ack.pool_hits)}"
+        return "completed_req"
+
+    def can_terminate_prefetch(self) -> dict[str, Any]:
+        """The real ``_can_terminate_prefetch`` (unified_radix_cache.py:2295): best_effort True, wait_complete False,
+        timeout: a MAX of the deadline verdict over the TP group."""
+        def run() -> dict[str, Any]:
+            if not self._ongoing() or self.op.is_terminated():
+                self.vote = None
+                return {"proceeds": False, "ongoing": self._ongoing()}
+            self.vote = bool(self.cache._can_terminate_prefetch(self.op))
+            return {"proceeds": self.vote}
+        return self._phase(run)
+
+    def reduce_prefetch_ack(self) -> dict[str, Any]:
+        """The sync thread (hybrid_cache_controller.py:1940): the real ``_reduce_prefetch_ack`` (:1920 and
+        cache_controller.py:1475) on each ACK, in lockstep. The ranks reduce the first ``k`` queued ACKs, ``k`` the
+        fewest any rank has queued (a harness exchange, not recorded): a real sync thread blocks in the (k+1)-th
+        all-reduce until the slow rank's ACK arrives."""
+        def run() -> dict[str, Any]:
+            cc = self.cc
+            pending = torch.tensor([cc.prefetch_sync_queue.qsize()], dtype=torch.int)
+            torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MIN, group=self.harness_group)
+            k, kinds = int(pending.item()), []
+            for _ in range(k):
+                ack = cc.prefetch_sync_queue.get_nowait()
+                kinds.append(self._ack_kind(ack))
+                cc._reduce_prefetch_ack(ack)
+                cc.ack_prefetch_queue.put(ack)
+            return {"reduced_acks": kinds, "pending_acks": cc.prefetch_sync_queue.qsize()}
+        return self._phase(run)
+
+    def handle_prefetch_result(self) -> dict[str, Any]:
+        """The scheduler step: the real ``drain_storage_control_queues`` (its ``_drain_ack_prefetch``,
+        unified_radix_cache.py:3210, applies the reduced ACKs and on ``completed_req`` calls ``_handle_prefetch_result``
+        itself), then, if this rank's vote said terminate, the real ``check_prefetch_progress`` (:2391) with
+        ``_can_terminate_prefetch`` answering the vote already taken (no second collective)."""
+        def run() -> dict[str, Any]:
+            if self.handle is None:
+                return {"proceeds": False, "commit": None, "via": "unregistered"}
+            before = self._path_ids()
+            freed_full0, freed_swa0 = len(self.full_host.freed), len(self.swa_host.freed)
+            ongoing0 = self._ongoing()
+            info = self.cache.ongoing_prefetch.get(self.handle)
+            staging = self._staging(info)
+            self.cache.drain_storage_control_queues()
+            via = "ack_drain" if ongoing0 and not self._ongoing() else None
+            if self._ongoing() and self.vote:
+                vote = self.vote
+                self.cache._can_terminate_prefetch = lambda op: vote
+                try:
+                    self.cache.check_prefetch_progress(self.handle)
+                finally:
+                    del self.cache._can_terminate_prefetch
+                via = "check_prefetch_progress"
+            proceeds = ongoing0 and not self._ongoing()
+            commit = None
+            if proceeds:
+                commit = self._commit_report(before, staging, freed_full0, freed_swa0)
+            return {"proceeds": proceeds, "via": via or "waiting", "commit": commit}
+        return self._phase(run)
+
+    # ------------------------------------------------------------ observation
+
+    def _path_ids(self) -> list[int]:
+        return [n.id for n in self._path()]
+
+    def _staging(self, info: Any) -> dict[str, list[int]]:
+        if info is None or info.host_indices is None:
+            return {"full": [], "swa": []}
+        xs = info.comp_xfers.get(self.CT.SWA, [])
+        swa = xs[0].host_indices.tolist() if xs and xs[0].host_indices is not None else []
+        return {"full": info.host_indices.tolist(), "swa": swa}
+
+    def _commit_report(self, before: list[int], staging: dict[str, list[int]], f0: int, s0: int) -> dict[str, Any]:
+        self._drain_releases()
+        nodes, pos, P = self._path(), 0, self.P
+        full_in_tree: set[int] = set()
+        swa_in_tree: set[int] = set()
+        path, attached_now = [], False
+        old = set(before)
+        for n in nodes:
+            full = n.component_data[self.CT.FULL].host_value
+            swa = n.component_data[self.CT.SWA].host_value
+            full_in_tree |= set(full.tolist()) if full is not None else set()
+            swa_vals = set(swa.tolist()) if swa is not None else set()
+            swa_in_tree |= swa_vals
+            now = bool(swa_vals & set(staging["swa"]))
+            attached_now |= now
+            path.append({"length": len(n.key), "swa_host": swa is not None, "swa_attached_now": now,
+                         "existed": n.id in old, "start": pos})
+            pos += len(n.key)
+        freed_full = set(self.full_host.freed[f0:])
+        freed_swa = set(self.swa_host.freed[s0:])
+        total = sum(p["length"] for p in path if not p["existed"]) if path else 0
+        full_owner = ["tree" if s in full_in_tree else "freed" if s in freed_full else "held"
+                      for s in staging["full"][::P]]
+        swa_owner = ["tree" if s in swa_in_tree else "freed" if s in freed_swa else "held"
+                     for s in staging["swa"][::P]]
+        inserted = [p for p in path if not p["existed"]]
+        return {"nodes": [(p["length"], p["swa_host"]) for p in path], "attached": attached_now,
+                "discarded": not any(o == "tree" for o in full_owner) and bool(staging["full"])
+                and not inserted and "tree" not in full_owner and self._loaded() == 0,
+                "loaded_tokens": self._loaded(), "inserted_tokens": total,
+                "splits": [p["start"] for p in path if p["start"] > 0],
+                "full_slots": full_owner, "swa_slots": swa_owner, "path": path}
+
+    def _loaded(self) -> int:
+        return int(self.cache.prefetch_loaded_tokens_by_reqid.get(self.handle, 0))
+
+    def _drain_releases(self) -> None:
+        """Free what the release queues hold (upstream: the next scheduler step's drain)."""
+        cc = self.cc
+        while not cc.host_mem_release_queue.empty():
+            self.full_host.free(cc.host_mem_release_queue.get_nowait())
+        for pool, q in cc.extra_host_mem_release_queues.items():
+            while not q.empty():
+                self.swa_host.free(q.get_nowait())
+
+    def snapshot(self) -> dict[str, Any]:
+        self._drain_releases()
+        nodes = self._path()
+        full_tree = sum(int(n.component_data[self.CT.FULL].host_value.numel()) for n in nodes
+                        if n.component_data[self.CT.FULL].host_value is not None)
+        swa_tree = sum(int(n.component_data[self.CT.SWA].host_value.numel()) for n in nodes
+                       if n.component_data[self.CT.SWA].host_value is not None)
+        held_full = held_swa = 0
+        for info in self.cache.ongoing_prefetch.values():
+            st = self._staging(info)
+            held_full += len(st["full"])
+            held_swa += len(st["swa"])
+        P = self.P
+        return {"nodes": [(len(n.key), n.component_data[self.CT.SWA].host_value is not None) for n in nodes],
+                "full_capacity": self.full_host.size // P, "full_free": self.full_host.available_size() // P,
+                "full_in_tree": full_tree // P, "full_held": held_full // P,
+                "swa_capacity": self.swa_host.size // P, "swa_free": self.swa_host.available_size() // P,
+                "swa_in_tree": swa_tree // P, "swa_held": held_swa // P,
+                "ongoing": self._ongoing(), "pending_acks": self.cc.prefetch_sync_queue.qsize()}
+
+
+# ---------------------------------------------------------------- a small launcher (replaced by the shared harness)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], script: list[Any],
+               replies: Any, collective_timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=world_size,
+                                             timeout=timedelta(seconds=collective_timeout_s))
+        worker = SGLangRankWorker(group, rank, world_size)
+        replies.put((rank, -1, "ready", {}))
+        for step, (method, args) in enumerate(script):
+            mine = args[rank] if isinstance(args, list) and len(args) == world_size and method == "initial_state" \
+                else args
+            t0 = time.perf_counter()
+            try:
+                out = getattr(worker, method)(*(mine or ()))
+            except Exception as exc:  # a collective that timed out or failed: report and stop this rank
+                replies.put((rank, step, method, {"error": f"{type(exc).__name__}: {exc}",
+                                                  "seconds": time.perf_counter() - t0,
+                                                  "calls": list(worker.recorder.calls)}))
+                return
+            out["seconds"] = time.perf_counter() - t0
+            replies.put((rank, step, method, out))
+    except Exception:
+        replies.put((rank, -2, "crash", {"error": traceback.format_exc()}))
+    finally:
+        with contextlib.suppress(Exception):
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout_s: float = 120.0,
+              collective_timeout_s: float = 5.0) -> list[list[dict[str, Any]]]:
+    """Run ``script`` (``[(method, args)]``; for ``initial_state`` ``args`` is one ``(request_pages, progress)`` per
+    rank) on ``world_size`` spawned rank processes in lockstep; each rank's replies in order (a failed step ends with
+    ``{"error": ...}``; a rank that never answered gets ``{"error": "no reply ..."}``). Never hangs: the parent waits at
+    most ``timeout_s`` in all, then kills and joins every process."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, group, script, replies,
+                                                  collective_timeout_s), daemon=True)
+             for r in range(world_size)]
+    out: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        done = [False] * world_size
+        while not all(done) and time.monotonic() < deadline:
+            try:
+                rank, step, method, reply = replies.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and not done[r]:
+                        # drain anything it sent before dying
+                        done[r] = True if p.exitcode is not None else done[r]
+                continue
+            if step == -1:
+                continue
+            reply = {"method": method, "step": step, **reply}
+            out[rank].append(reply)
+            if "error" in reply or step == len(script) - 1:
+                done[rank] = True
+        # late replies already in the queue
+        with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
+            while True:
+                rank, step, method, reply = replies.get(timeout=0.2)
+                if step >= 0 or step == -2:
+                    out[rank].append({"method": method, "step": step, **reply})
+        for r in range(world_size):
+            if not out[r] or ("error" not in out[r][-1] and len(out[r]) < len(script)):
+                out[r].append({"error": f"no reply from rank {r} after {len(out[r])} step(s) within {timeout_s:.0f}s"})
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=5)
+        replies.close()
+        replies.join_thread()
+    return out
