@@ -140,8 +140,8 @@ class _Storage:
 class _Recorder:
     """Wraps ``torch.distributed.all_reduce`` while installed: records op, values passed, result, and which group."""
 
-    def __init__(self, groups: dict[Any, str]) -> None:
-        self.groups = groups
+    def __init__(self, groups: dict[Any, str], project: Any) -> None:
+        self.groups, self.project = groups, project
         self.calls: list[dict[str, Any]] = []
         self.silent: set[Any] = set()
         self._real = torch.distributed.all_reduce
@@ -163,6 +163,7 @@ class _Recorder:
             self.calls.append(entry)
             out = real(tensor, op=op, group=group, async_op=async_op)
             entry["result"] = [int(v) for v in tensor.flatten().tolist()]
+            entry["kvproof"] = self.project(entry)
             return out
 
         torch.distributed.all_reduce = all_reduce
@@ -247,7 +248,7 @@ class SGLangRankWorker:
         cache.enable_storage = True
         cache.prefetch_threshold = P  # one page (default 256 tokens): a synced hit of 0 is revoked (below threshold)
         self.recorder = _Recorder({self.hits_group: "sync_prefetch_hit_query",
-                                   self.completion_group: "reduce_prefetch_ack", world: "tp_group"})
+                                   self.completion_group: "reduce_prefetch_ack", world: "drain_storage_control_queues"}, self._project)
         self.recorder.silent.add(self.harness_group)
         self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * P))
         self.anchor = self._build_anchor()
@@ -256,6 +257,24 @@ class SGLangRankWorker:
         self.prefetches = 0
         self.vote: bool | None = None
         self.io_ran = False
+
+    def _project(self, call: dict[str, Any]) -> dict[str, Any] | None:
+        """The call in kvproof's packed layout (reference/tp_prefetch.py docstring), or None where kvproof has no such
+        collective: the verdict slots cut from ``len(PoolName)`` (23 in 0.5.23) to kvproof's KV, MAMBA, SWA (the first
+        three members, the same order), completed tokens divided by the page size."""
+        n_pools = len(self.hs.PoolName)
+        values, result = call["values"], call["result"] or []
+
+        def cut(v: list[int]) -> list[int]:
+            if call["name"] == "sync_prefetch_hit_query":
+                return v[:len(v) - n_pools] + v[len(v) - n_pools:][:3]
+            if call["name"] == "reduce_prefetch_ack":
+                return [x // self.P for x in v] if len(v) == 1 else v[:3]
+            return v
+
+        if call["name"] == "drain_storage_control_queues":
+            return None
+        return {"name": call["name"], "op": call["op"], "values": cut(values), "result": cut(result)}
 
     # ------------------------------------------------------------ set-up of the host path (identical on every rank)
 
@@ -303,7 +322,10 @@ class SGLangRankWorker:
 
     # ------------------------------------------------------------ the phases
 
-    def _phase(self, fn: Any) -> dict[str, Any]:
+    def _phase(self, fn: Any, tp_name: str = "drain_storage_control_queues") -> dict[str, Any]:
+        """Run one phase with ``all_reduce`` recorded; a call on the TP group is named ``tp_name`` (the vote in
+        ``can_terminate_prefetch``, else the scheduler's qsize MIN, which kvproof does not model)."""
+        self.recorder.groups[self.tp_group] = tp_name
         with self.recorder.installed() as calls:
             out = fn() or {}
         return {"calls": list(calls), **out}
@@ -436,25 +458,26 @@ class SGLangRankWorker:
                 return {"proceeds": False, "ongoing": self._ongoing()}
             self.vote = bool(self.cache._can_terminate_prefetch(self.op))
             return {"proceeds": self.vote}
-        return self._phase(run)
+        return self._phase(run, tp_name="can_terminate_prefetch")
 
     def reduce_prefetch_ack(self) -> dict[str, Any]:
         """The sync thread (hybrid_cache_controller.py:1940): the real ``_reduce_prefetch_ack`` (:1920 and
         cache_controller.py:1475) on each ACK, in lockstep. The ranks reduce the first ``k`` queued ACKs, ``k`` the
         fewest any rank has queued (a harness exchange, not recorded): a real sync thread blocks in the (k+1)-th
         all-reduce until the slow rank's ACK arrives."""
-        def run() -> dict[str, Any]:
-            cc = self.cc
-            pending = torch.tensor([cc.prefetch_sync_queue.qsize()], dtype=torch.int)
-            torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MIN, group=self.harness_group)
-            k, kinds = int(pending.item()), []
-            for _ in range(k):
-                ack = cc.prefetch_sync_queue.get_nowait()
-                kinds.append(self._ack_kind(ack))
-                cc._reduce_prefetch_ack(ack)
-                cc.ack_prefetch_queue.put(ack)
-            return {"reduced_acks": kinds, "pending_acks": cc.prefetch_sync_queue.qsize()}
-        return self._phase(run)
+        return self._phase(self._reduce_acks)
+
+    def _reduce_acks(self) -> dict[str, Any]:
+        cc = self.cc
+        pending = torch.tensor([cc.prefetch_sync_queue.qsize()], dtype=torch.int)
+        torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MIN, group=self.harness_group)
+        k, kinds = int(pending.item()), []
+        for _ in range(k):
+            ack = cc.prefetch_sync_queue.get_nowait()
+            kinds.append(self._ack_kind(ack))
+            cc._reduce_prefetch_ack(ack)
+            cc.ack_prefetch_queue.put(ack)
+        return {"reduced_acks": kinds, "pending_acks": cc.prefetch_sync_queue.qsize()}
 
     def handle_prefetch_result(self) -> dict[str, Any]:
         """The scheduler step: the real ``drain_storage_control_queues`` (its ``_drain_ack_prefetch``,
@@ -468,22 +491,55 @@ class SGLangRankWorker:
             freed_full0, freed_swa0 = len(self.full_host.freed), len(self.swa_host.freed)
             ongoing0 = self._ongoing()
             info = self.cache.ongoing_prefetch.get(self.handle)
+            verdicts: list[bool] = []
+            real_check = self.cache._check_hybrid_prefetch_result
+
+            def check(*args: Any, **kwargs: Any) -> bool:  # the real check, its verdict recorded
+                ok = bool(real_check(*args, **kwargs))
+                verdicts.append(ok)
+                return ok
+
+            self.cache._check_hybrid_prefetch_result = check
             staging = self._staging(info)
-            self.cache.drain_storage_control_queues()
-            via = "ack_drain" if ongoing0 and not self._ongoing() else None
-            if self._ongoing() and self.vote:
-                vote = self.vote
-                self.cache._can_terminate_prefetch = lambda op: vote
-                try:
-                    self.cache.check_prefetch_progress(self.handle)
-                finally:
-                    del self.cache._can_terminate_prefetch
-                via = "check_prefetch_progress"
+            try:
+                self.cache.drain_storage_control_queues()
+                via = "ack_drain" if ongoing0 and not self._ongoing() else None
+                if self._ongoing() and self.vote:
+                    vote = self.vote
+                    self.cache._can_terminate_prefetch = lambda op: vote
+                    try:
+                        self.cache.check_prefetch_progress(self.handle)
+                    finally:
+                        del self.cache._can_terminate_prefetch
+                    via = "check_prefetch_progress"
+            finally:
+                del self.cache._check_hybrid_prefetch_result
             proceeds = ongoing0 and not self._ongoing()
             commit = None
             if proceeds:
                 commit = self._commit_report(before, staging, freed_full0, freed_swa0)
+                commit["discarded"] = bool(verdicts) and not verdicts[-1]
+                total = 0 if commit["discarded"] else int(self.op.completed_tokens)
+                commit["total_len"], commit["prefix_len"] = total, (total - self._loaded()) if total else 0
             return {"proceeds": proceeds, "via": via or "waiting", "commit": commit}
+        return self._phase(run)
+
+    def finish_io(self) -> dict[str, Any]:
+        """Let an IO thread still in flight end (its prefetch was terminated or is waiting): the real IO sees
+        ``is_terminated`` and stops; its ACKs are reduced (lockstep, as :meth:`reduce_prefetch_ack`) and drained, so
+        the slots it owns come back (``_drain_ack_prefetch`` on ``completed_req``). Not a kvproof operation."""
+        def run() -> dict[str, Any]:
+            ran = False
+            if self.handle is not None and not self.io_ran and self.op.host_indices is not None:
+                try:
+                    self.cc._page_transfer_with_stable_layout(self.op)
+                finally:
+                    self.cc.prefetch_sync_queue.put(self.hs_ack(self.op))
+                self.io_ran = ran = True
+            reduced = self._reduce_acks()
+            self.cache.drain_storage_control_queues()
+            self._drain_releases()
+            return {"ran": ran, "reduced_acks": reduced["reduced_acks"], "pending_acks": reduced["pending_acks"]}
         return self._phase(run)
 
     # ------------------------------------------------------------ observation
@@ -523,10 +579,8 @@ class SGLangRankWorker:
                       for s in staging["full"][::P]]
         swa_owner = ["tree" if s in swa_in_tree else "freed" if s in freed_swa else "held"
                      for s in staging["swa"][::P]]
-        inserted = [p for p in path if not p["existed"]]
         return {"nodes": [(p["length"], p["swa_host"]) for p in path], "attached": attached_now,
-                "discarded": not any(o == "tree" for o in full_owner) and bool(staging["full"])
-                and not inserted and "tree" not in full_owner and self._loaded() == 0,
+                "discarded": False,
                 "loaded_tokens": self._loaded(), "inserted_tokens": total,
                 "splits": [p["start"] for p in path if p["start"] > 0],
                 "full_slots": full_owner, "swa_slots": swa_owner, "path": path}
@@ -556,7 +610,13 @@ class SGLangRankWorker:
             held_full += len(st["full"])
             held_swa += len(st["swa"])
         P = self.P
+        anchor = 0 if self.anchor_is_root else 1
+        full_free, swa_free = self.full_host.available_size() // P, self.swa_host.available_size() // P
         return {"nodes": [(len(n.key), n.component_data[self.CT.SWA].host_value is not None) for n in nodes],
+                # slots neither free, in the tree below the anchor, the anchor's, nor held by an ongoing prefetch:
+                # owned by an IO thread still in flight (released by its completed_req ACK's drain)
+                "full_io_thread": self.full_host.size // P - full_free - full_tree // P - held_full // P - anchor,
+                "swa_io_thread": self.swa_host.size // P - swa_free - swa_tree // P - held_swa // P,
                 "full_capacity": self.full_host.size // P, "full_free": self.full_host.available_size() // P,
                 "full_in_tree": full_tree // P, "full_held": held_full // P,
                 "swa_capacity": self.swa_host.size // P, "swa_free": self.swa_host.available_size() // P,
@@ -629,9 +689,11 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
                 rank, step, method, reply = replies.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             except queue_mod.Empty:
                 for r, p in enumerate(procs):
-                    if not p.is_alive() and not done[r]:
-                        # drain anything it sent before dying
-                        done[r] = True if p.exitcode is not None else done[r]
+                    if not done[r] and p.exitcode is not None:  # died without a last reply (gloo aborts the process)
+                        done[r] = True
+                        out[r].append({"error": f"rank {r} exited with code {p.exitcode} after {len(out[r])} "
+                                                f"step(s) (a negative code is the signal that killed it)",
+                                       "exitcode": p.exitcode})
                 continue
             if step == -1:
                 continue
