@@ -144,6 +144,7 @@ class _Recorder:
         self.groups, self.project = groups, project
         self.calls: list[dict[str, Any]] = []
         self.silent: set[Any] = set()
+        self.on_call: Any = None  # called with each call before it enters the collective (the launcher streams it)
         self._real = torch.distributed.all_reduce
 
     @contextlib.contextmanager
@@ -161,6 +162,8 @@ class _Recorder:
                 else str(op)
             entry = {"name": name, "op": kind, "values": values, "result": None}
             self.calls.append(entry)
+            if self.on_call is not None:
+                self.on_call(entry)
             out = real(tensor, op=op, group=group, async_op=async_op)
             entry["result"] = [int(v) for v in tensor.flatten().tolist()]
             entry["kvproof"] = self.project(entry)
@@ -643,7 +646,11 @@ def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], scr
                                              timeout=timedelta(seconds=collective_timeout_s))
         worker = SGLangRankWorker(group, rank, world_size)
         replies.put((rank, -1, "ready", {}))
+        current = [0]
+        worker.recorder.on_call = lambda entry: replies.put((rank, -3, "call", {
+            "step": current[0], "name": entry["name"], "op": entry["op"], "n": len(entry["values"])}))
         for step, (method, args) in enumerate(script):
+            current[0] = step
             mine = args[rank] if isinstance(args, list) and len(args) == world_size and method == "initial_state" \
                 else args
             t0 = time.perf_counter()
@@ -679,7 +686,13 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
                                                   collective_timeout_s), daemon=True)
              for r in range(world_size)]
     out: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
+    inflight: dict[int, dict[str, Any]] = {}  # each rank's last collective entered (its shape)
     deadline = time.monotonic() + timeout_s
+
+    def entered(r: int) -> str:
+        c = inflight.get(r)
+        return "" if c is None else (f"; its last collective entered: {c['name']} all_reduce({c['op'].upper()}) of "
+                                     f"{c['n']} value(s) at step {c['step']}")
     try:
         for p in procs:
             p.start()
@@ -692,12 +705,17 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
                     if not done[r] and p.exitcode is not None:  # died without a last reply (gloo aborts the process)
                         done[r] = True
                         out[r].append({"error": f"rank {r} exited with code {p.exitcode} after {len(out[r])} "
-                                                f"step(s) (a negative code is the signal that killed it)",
+                                                f"step(s) (a negative code is the signal that killed it){entered(r)}",
                                        "exitcode": p.exitcode})
                 continue
             if step == -1:
                 continue
+            if step == -3:
+                inflight[rank] = reply
+                continue
             reply = {"method": method, "step": step, **reply}
+            if "error" in reply:
+                reply["error"] += entered(rank)
             out[rank].append(reply)
             if "error" in reply or step == len(script) - 1:
                 done[rank] = True
@@ -705,11 +723,12 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
         with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
             while True:
                 rank, step, method, reply = replies.get(timeout=0.2)
-                if step >= 0 or step == -2:
+                if step >= 0 or step == -2 and not done[rank]:
                     out[rank].append({"method": method, "step": step, **reply})
         for r in range(world_size):
             if not out[r] or ("error" not in out[r][-1] and len(out[r]) < len(script)):
-                out[r].append({"error": f"no reply from rank {r} after {len(out[r])} step(s) within {timeout_s:.0f}s"})
+                out[r].append({"error": f"no reply from rank {r} after {len(out[r])} step(s) within {timeout_s:.0f}s"
+                                        f"{entered(r)}"})
     finally:
         for p in procs:
             if p.is_alive():
