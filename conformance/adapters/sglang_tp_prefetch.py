@@ -269,8 +269,10 @@ class SGLangRankWorker:
         values, result = call["values"], call["result"] or []
 
         def cut(v: list[int]) -> list[int]:
-            if call["name"] == "sync_prefetch_hit_query":
-                return v[:len(v) - n_pools] + v[len(v) - n_pools:][:3]
+            if call["name"] == "sync_prefetch_hit_query":  # a lone head is the hit in tokens, flags are 0/1
+                head = v[:len(v) - n_pools]
+                head = [x // self.P for x in head] if len(head) == 1 else head
+                return head + v[len(v) - n_pools:][:3]
             if call["name"] == "reduce_prefetch_ack":
                 return [x // self.P for x in v] if len(v) == 1 else v[:3]
             return v
@@ -545,6 +547,15 @@ class SGLangRankWorker:
             return {"ran": ran, "reduced_acks": reduced["reduced_acks"], "pending_acks": reduced["pending_acks"]}
         return self._phase(run)
 
+    def fill_host(self, full_pages: int, swa_pages: int = 0) -> dict[str, Any]:
+        """Pin host slots on this rank outside the tree (another request's buffers): rank-local host pressure, the
+        premise of R5-a (sglang_semantics.md §6.7). Not a kvproof operation; no collective."""
+        full = self.full_host.alloc(full_pages * self.P) if full_pages else None
+        swa = self.swa_host.alloc(swa_pages * self.P) if swa_pages else None
+        self.pinned = (full, swa)
+        return {"calls": [], "full_free": self.full_host.available_size() // self.P,
+                "swa_free": self.swa_host.available_size() // self.P}
+
     # ------------------------------------------------------------ observation
 
     def _path_ids(self) -> list[int]:
@@ -613,7 +624,8 @@ class SGLangRankWorker:
             held_full += len(st["full"])
             held_swa += len(st["swa"])
         P = self.P
-        anchor = 0 if self.anchor_is_root else 1
+        anchor = (0 if self.anchor_is_root else 1) + sum(
+            int(t.numel()) // P for t in getattr(self, "pinned", (None, None))[:1] if t is not None)
         full_free, swa_free = self.full_host.available_size() // P, self.swa_host.available_size() // P
         return {"nodes": [(len(n.key), n.component_data[self.CT.SWA].host_value is not None) for n in nodes],
                 # slots neither free, in the tree below the anchor, the anchor's, nor held by an ongoing prefetch:
@@ -628,6 +640,10 @@ class SGLangRankWorker:
 
 
 # ---------------------------------------------------------------- a small launcher (replaced by the shared harness)
+
+
+#: script methods whose args are one entry per rank
+_PER_RANK = frozenset({"initial_state", "fill_host"})
 
 
 def _free_port() -> int:
@@ -651,8 +667,7 @@ def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], scr
             "step": current[0], "name": entry["name"], "op": entry["op"], "n": len(entry["values"])}))
         for step, (method, args) in enumerate(script):
             current[0] = step
-            mine = args[rank] if isinstance(args, list) and len(args) == world_size and method == "initial_state" \
-                else args
+            mine = args[rank] if isinstance(args, list) and len(args) == world_size and method in _PER_RANK else args
             t0 = time.perf_counter()
             try:
                 out = getattr(worker, method)(*(mine or ()))

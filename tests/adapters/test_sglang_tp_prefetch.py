@@ -62,8 +62,8 @@ class Outcome:
         return "\n".join(self.divergences) or "no divergence"
 
 
-def _script(prefetches: list[Prefetch]) -> list[Any]:
-    script: list[Any] = []
+def _script(prefetches: list[Prefetch], before: list[Any] | None = None) -> list[Any]:
+    script: list[Any] = list(before or [])
     for p in prefetches:
         script.append(("initial_state", [(p.request_pages, r) for r in p.ranks]))
         script += [(m, None) for m in PHASES]
@@ -100,14 +100,14 @@ def _owners(ref: Any, n: int, io_finished: bool) -> list[str]:
 
 
 def run_scenario(world_size: int, group: dict[str, Any], prefetches: list[Prefetch],
-                 timeout_s: float = 150.0) -> Outcome:
+                 timeout_s: float = 150.0, before: list[Any] | None = None) -> Outcome:
     from kvproof.conformance.adapters.sglang_tp_prefetch import run_ranks
 
     t0 = time.perf_counter()
-    replies = run_ranks(world_size, group, _script(prefetches), timeout_s=timeout_s)
+    replies = run_ranks(world_size, group, _script(prefetches, before), timeout_s=timeout_s)
     out = Outcome(replies=replies, seconds=time.perf_counter() - t0)
     path = tuple(HostNode(length=n, swa_host=s) for n, s in group.get("existing", ()))
-    step = 0
+    step = len(before or [])
     for i, p in enumerate(prefetches):
         n_steps = 1 + len(PHASES) + (2 if p.finish_io else 0)
         mine = [[x for x in replies[r] if step <= x.get("step", -9) < step + n_steps] for r in range(world_size)]
@@ -266,6 +266,28 @@ def test_different_transfer_sets_is_a_bounded_mismatch_world_2() -> None:
     assert took < 60
     import multiprocessing
     assert multiprocessing.active_children() == []
+
+
+def test_rank_local_host_pressure_breaks_t1_world_2() -> None:
+    """F1 (notes): rank 1 has 5 free Full host pages, rank 0 17. The synced hit is 8 pages on both; rank 1's
+    ``_try_alloc_storage_hit`` allocates 5 (``allow_partial``) and truncates its ``hash_value`` to 5 pages, after the
+    hit query. The completed ACKs MIN to 5 pages on both; rank 0 expects 8 and discards, rank 1 expects 5 and
+    inserts 10 tokens with the SWA window of pages 3-4 attached: the host trees differ (T1), silently."""
+    empty = {**MID, "existing": []}
+    prefetches = [Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8)])]
+    out = run_scenario(2, empty, prefetches, before=[("fill_host", [(0, 0), (12, 0)])])
+    assert set(out.keys) == KNOWN_PRESSURE, out.explain()
+    handled = [[x for x in out.replies[r] if x.get("method") == "handle_prefetch_result"][0] for r in (0, 1)]
+    assert handled[0]["commit"]["discarded"] and not handled[1]["commit"]["discarded"]
+    assert [tuple(n) for n in handled[1]["commit"]["nodes"]] == [(6, False), (4, True)]
+
+
+#: F1: the reference has no host pressure (each rank holds its request's pages: both commit 16 tokens); 0.5.23's
+#: rank 0 discards, its rank 1 commits 10 tokens, the trees differ.
+KNOWN_PRESSURE: set[tuple[Any, ...]] = {(0, None, "trees differ"), (0, 0, "calls"), (0, 1, "calls")} | {
+    (0, 0, w) for w in ("nodes", "attached", "discarded", "total_len", "full pages in the tree", "swa pages attached",
+                        "full slot owners", "swa slot owners")} | {
+    (0, 1, w) for w in ("nodes", "total_len", "full pages in the tree")}
 
 
 def test_world_4_mixed_progress() -> None:
