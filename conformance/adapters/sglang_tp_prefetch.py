@@ -198,14 +198,14 @@ class SGLangRankWorker:
             "sglang.srt.mem_cache.unified_cache.components.base")
         self.hs, self.hcc, self.RadixKey, self.Handle = hs, hcc, rk.RadixKey, bpc.CacheRequestHandle
         self.CT, self.Phase = ctm.ComponentType, base.CacheTransferPhase
-        P = self.P
-        sw_pages = -(-self.W // P)
+        ps = self.P
+        sw_pages = -(-self.W // ps)
         host_pages = 2 * self.max_pages + 2  # + the anchor
         swa_host_pages = self.max_pages + max(sw_pages, self.max_pages) + 2
-        size = 4 * (self.max_pages + 2) * P
-        kv = sg.SWAKVPool(size=size, size_swa=size, page_size=P, dtype=torch.float32, head_num=1, head_dim=2,
+        size = 4 * (self.max_pages + 2) * ps
+        kv = sg.SWAKVPool(size=size, size_swa=size, page_size=ps, dtype=torch.float32, head_num=1, head_dim=2,
                           swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
-        alloc = sg.SWATokenToKVPoolAllocator(size, size, P, torch.float32, "cpu", kv, need_sort=False)
+        alloc = sg.SWATokenToKVPoolAllocator(size, size, ps, torch.float32, "cpu", kv, need_sort=False)
         r2t = mp.ReqToTokenPool(size=4, max_context_len=size, device="cpu", enable_memory_saver=False)
         world = torch.distributed.group.WORLD
         ranks = list(range(world_size))
@@ -216,19 +216,19 @@ class SGLangRankWorker:
         self.harness_group = torch.distributed.new_group(ranks, backend="gloo")
         self.tp_group = world
         params = cip.CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
-                                     page_size=P, sliding_window_size=self.W, tp_cache_group=world,
+                                     page_size=ps, sliding_window_size=self.W, tp_cache_group=world,
                                      tree_components=(self.CT.FULL, self.CT.SWA), tree_core_backend=self.tree_core_name)
         cache = self.cache = self.urc.UnifiedRadixCache(params)
         self.swa = cache.components[self.CT.SWA]
-        self.full_host = _HostSlots("Full", host_pages, P)
-        self.swa_host = _HostSlots("SWA", swa_host_pages, P)
+        self.full_host = _HostSlots("Full", host_pages, ps)
+        self.swa_host = _HostSlots("SWA", swa_host_pages, ps)
         host = _HostGroup(hs.PoolName.SWA, self.full_host, self.swa_host)
         # What init_hicache (unified_radix_cache.py:455) would have set, without its HybridCacheController.__init__
         # (which starts IO threads and attaches a real storage backend).
         self.swa._swa_kv_pool_host = self.swa_host
         cache.host_pool_group = host
         cc = self.cc = object.__new__(hcc.HybridCacheController)
-        cc.page_size = P
+        cc.page_size = ps
         cc.mem_pool_host = host
         cc.host_memory_mode = "cache"
         cc.prefetch_capacity_limit = 1 << 30
@@ -249,11 +249,12 @@ class SGLangRankWorker:
         cache.tree_core.set_hicache_enabled()
         cache.tree_core.has_swa_host_pool = True
         cache.enable_storage = True
-        cache.prefetch_threshold = P  # one page (default 256 tokens): a synced hit of 0 is revoked (below threshold)
+        cache.prefetch_threshold = ps  # one page (default 256 tokens): a synced hit of 0 is revoked (below threshold)
         self.recorder = _Recorder({self.hits_group: "sync_prefetch_hit_query",
-                                   self.completion_group: "reduce_prefetch_ack", world: "drain_storage_control_queues"}, self._project)
+                                   self.completion_group: "reduce_prefetch_ack",
+                                   world: "drain_storage_control_queues"}, self._project)
         self.recorder.silent.add(self.harness_group)
-        self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * P))
+        self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * ps))
         self.anchor = self._build_anchor()
         self._build_existing(group.get("existing", ()))
         self.handle: Any = None
@@ -303,6 +304,8 @@ class SGLangRankWorker:
         for item in existing:
             length, swa_host = (item["length"], item.get("swa_host", False)) if isinstance(item, dict) else item
             new = self.full_host.alloc(length)
+            if new is None:
+                raise RuntimeError(f"the host pool cannot hold the existing path ({length} more tokens)")
             value = torch.cat([torch.full((pos,), -1, dtype=torch.int64), new])
             hashes = [f"pre-{i}" for i in range((pos + length) // self.P)]
             res = core.insert_host(self.anchor, self._key(off, off + pos + length), value, hashes)
@@ -314,7 +317,7 @@ class SGLangRankWorker:
 
     def _path(self) -> list[Any]:
         """The nodes below the anchor along the key (Python core: node objects)."""
-        core, nodes = self.cache.tree_core, []
+        core, nodes = self.cache.tree_core, list[Any]()
         node, off, pos = core.node_by_id(self.anchor), self._offset(), 0
         while True:
             child = next((c for c in node.children.values()
@@ -352,8 +355,8 @@ class SGLangRankWorker:
         st.kv_reads = 0
         if not progress.registered:
             return {"calls": [], "registered": False}
-        hs, cache, off, P = self.hs, self.cache, self._offset(), self.P
-        key = self._key(off, off + self.request_pages * P)
+        hs, cache, off, ps = self.hs, self.cache, self._offset(), self.P
+        key = self._key(off, off + self.request_pages * ps)
         handle = self.Handle(f"req-{self.prefetches}", 0)
         lock = cache.inc_host_lock_ref(self.anchor).to_dec_params()
         comp_xfers: dict[Any, list[Any]] = {}
@@ -570,7 +573,7 @@ class SGLangRankWorker:
 
     def _commit_report(self, before: list[int], staging: dict[str, list[int]], f0: int, s0: int) -> dict[str, Any]:
         self._drain_releases()
-        nodes, pos, P = self._path(), 0, self.P
+        nodes, pos, ps = self._path(), 0, self.P
         full_in_tree: set[int] = set()
         swa_in_tree: set[int] = set()
         path, attached_now = [], False
@@ -590,9 +593,9 @@ class SGLangRankWorker:
         freed_swa = set(self.swa_host.freed[s0:])
         total = sum(p["length"] for p in path if not p["existed"]) if path else 0
         full_owner = ["tree" if s in full_in_tree else "freed" if s in freed_full else "held"
-                      for s in staging["full"][::P]]
+                      for s in staging["full"][::ps]]
         swa_owner = ["tree" if s in swa_in_tree else "freed" if s in freed_swa else "held"
-                     for s in staging["swa"][::P]]
+                     for s in staging["swa"][::ps]]
         return {"nodes": [(p["length"], p["swa_host"]) for p in path], "attached": attached_now,
                 "discarded": False,
                 "loaded_tokens": self._loaded(), "inserted_tokens": total,
@@ -607,7 +610,7 @@ class SGLangRankWorker:
         cc = self.cc
         while not cc.host_mem_release_queue.empty():
             self.full_host.free(cc.host_mem_release_queue.get_nowait())
-        for pool, q in cc.extra_host_mem_release_queues.items():
+        for q in cc.extra_host_mem_release_queues.values():
             while not q.empty():
                 self.swa_host.free(q.get_nowait())
 
@@ -623,19 +626,19 @@ class SGLangRankWorker:
             st = self._staging(info)
             held_full += len(st["full"])
             held_swa += len(st["swa"])
-        P = self.P
+        ps = self.P
         anchor = (0 if self.anchor_is_root else 1) + sum(
-            int(t.numel()) // P for t in getattr(self, "pinned", (None, None))[:1] if t is not None)
-        full_free, swa_free = self.full_host.available_size() // P, self.swa_host.available_size() // P
+            int(t.numel()) // ps for t in getattr(self, "pinned", (None, None))[:1] if t is not None)
+        full_free, swa_free = self.full_host.available_size() // ps, self.swa_host.available_size() // ps
         return {"nodes": [(len(n.key), n.component_data[self.CT.SWA].host_value is not None) for n in nodes],
                 # slots neither free, in the tree below the anchor, the anchor's, nor held by an ongoing prefetch:
                 # owned by an IO thread still in flight (released by its completed_req ACK's drain)
-                "full_io_thread": self.full_host.size // P - full_free - full_tree // P - held_full // P - anchor,
-                "swa_io_thread": self.swa_host.size // P - swa_free - swa_tree // P - held_swa // P,
-                "full_capacity": self.full_host.size // P, "full_free": self.full_host.available_size() // P,
-                "full_in_tree": full_tree // P, "full_held": held_full // P,
-                "swa_capacity": self.swa_host.size // P, "swa_free": self.swa_host.available_size() // P,
-                "swa_in_tree": swa_tree // P, "swa_held": held_swa // P,
+                "full_io_thread": self.full_host.size // ps - full_free - full_tree // ps - held_full // ps - anchor,
+                "swa_io_thread": self.swa_host.size // ps - swa_free - swa_tree // ps - held_swa // ps,
+                "full_capacity": self.full_host.size // ps, "full_free": self.full_host.available_size() // ps,
+                "full_in_tree": full_tree // ps, "full_held": held_full // ps,
+                "swa_capacity": self.swa_host.size // ps, "swa_free": self.swa_host.available_size() // ps,
+                "swa_in_tree": swa_tree // ps, "swa_held": held_swa // ps,
                 "ongoing": self._ongoing(), "pending_acks": self.cc.prefetch_sync_queue.qsize()}
 
 
@@ -671,14 +674,14 @@ def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], scr
             t0 = time.perf_counter()
             try:
                 out = getattr(worker, method)(*(mine or ()))
-            except Exception as exc:  # a collective that timed out or failed: report and stop this rank
+            except Exception as exc:  # noqa: BLE001 - a failed collective or SGLang error: report it, stop this rank
                 replies.put((rank, step, method, {"error": f"{type(exc).__name__}: {exc}",
                                                   "seconds": time.perf_counter() - t0,
                                                   "calls": list(worker.recorder.calls)}))
                 return
             out["seconds"] = time.perf_counter() - t0
             replies.put((rank, step, method, out))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any start-up failure becomes this rank's reply
         replies.put((rank, -2, "crash", {"error": traceback.format_exc()}))
     finally:
         with contextlib.suppress(Exception):
@@ -738,7 +741,7 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
         with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
             while True:
                 rank, step, method, reply = replies.get(timeout=0.2)
-                if step >= 0 or step == -2 and not done[rank]:
+                if step >= 0 or (step == -2 and not done[rank]):
                     out[rank].append({"method": method, "step": step, **reply})
         for r in range(world_size):
             if not out[r] or ("error" not in out[r][-1] and len(out[r]) < len(script)):

@@ -4,7 +4,8 @@ Each scenario runs a few prefetches on one real group (:func:`run_ranks`), compu
 ``check_prefetch_progress(config, ranks)`` with ``variant=upstream_0523`` for each, and compares every rank's
 collectives (in kvproof's layout: :meth:`SGLangRankWorker._project`) and its commit with the reference. Where they
 differ the test pins the difference (``KNOWN``: each one classified in /work/notes/sglang_tp_prefetch.md), so a
-change on either side fails the test. Run with ``.venv-sglang/bin/python -m pytest tests/adapters/test_sglang_tp_prefetch.py``.
+change on either side fails the test. Run with
+``.venv-sglang/bin/python -m pytest tests/adapters/test_sglang_tp_prefetch.py``.
 """
 
 from __future__ import annotations
@@ -157,12 +158,12 @@ def run_scenario(world_size: int, group: dict[str, Any], prefetches: list[Prefet
                     out.add((i, r, what), f"prefetch {i} rank {r}: {what} real {a} != reference {b}")
         if os.environ.get("KVPROOF_SGTP_VERBOSE"):
             for r in range(world_size):
-                h = [x for x in mine[r] if x["method"] == "handle_prefetch_result"][0]
-                c = h["commit"] or {}
+                h = next(x for x in mine[r] if x["method"] == "handle_prefetch_result")
+                c, rc = h["commit"] or {}, state.ranks[r].commit
+                ref_c = None if rc is None else (rc.discarded, rc.attached, rc.total_len)
+                real_c = (c.get("discarded"), c.get("attached"), c.get("total_len"))
                 print(f"prefetch {i} rank {r}: ref phase {state.phase.value} proceeds {state.ranks[r].proceeds} "
-                      f"commit {state.ranks[r].commit and (state.ranks[r].commit.discarded, state.ranks[r].commit.attached, state.ranks[r].commit.total_len)}"
-                      f" | real via {h['via']} {(c.get('discarded'), c.get('attached'), c.get('total_len'))} "
-                      f"calls {len(_real_calls(mine[r]))}")
+                      f"commit {ref_c} | real via {h['via']} {real_c}")
         if p.finish_io:  # every slot an in-flight IO thread owned has come back
             last = [[x for x in mine[r] if x["method"] == "snapshot"][-1] for r in range(world_size)]
             for r, snap in enumerate(last):
@@ -277,7 +278,7 @@ def test_rank_local_host_pressure_breaks_t1_world_2() -> None:
     prefetches = [Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8)])]
     out = run_scenario(2, empty, prefetches, before=[("fill_host", [(0, 0), (12, 0)])])
     assert set(out.keys) == KNOWN_PRESSURE, out.explain()
-    handled = [[x for x in out.replies[r] if x.get("method") == "handle_prefetch_result"][0] for r in (0, 1)]
+    handled = [next(x for x in out.replies[r] if x.get("method") == "handle_prefetch_result") for r in (0, 1)]
     assert handled[0]["commit"]["discarded"] and not handled[1]["commit"]["discarded"]
     assert [tuple(n) for n in handled[1]["commit"]["nodes"]] == [(6, False), (4, True)]
 
