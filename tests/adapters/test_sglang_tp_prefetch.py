@@ -21,6 +21,7 @@ import pytest
 from kvproof.reference.tp_prefetch import (
     HostNode,
     Phase,
+    PoolName,
     RankProgress,
     SlotOwner,
     TerminationPolicy,
@@ -289,6 +290,21 @@ KNOWN_PRESSURE: set[tuple[Any, ...]] = {(0, None, "trees differ"), (0, 0, "calls
     (0, 0, w) for w in ("nodes", "attached", "discarded", "total_len", "full pages in the tree", "swa pages attached",
                         "full slot owners", "swa slot owners")} | {
     (0, 1, w) for w in ("nodes", "total_len", "full pages in the tree")}
+
+
+def test_swa_and_mamba_transfer_sets_same_shape_world_2() -> None:
+    """Rank 0 fetches an SWA window, rank 1 a Mamba checkpoint: both TRAILING_PAGES, so the hit queries (flags + the
+    23 verdicts, ``-1`` for the pool a rank omitted) and the pool ACKs (by ``PoolName``) have the same shapes; the MIN
+    gives each rank 0 for the pool it fetched, so both discard and the trees agree. Then both ranks with SWA and
+    Mamba, one rank's Mamba fetch failing (both discard), and none failing (both attach)."""
+    prefetches = [
+        Prefetch(6, [RP(storage_hit=6, full_pages=6), RP(storage_hit=6, full_pages=6, transfers=(PoolName.MAMBA,))]),
+        Prefetch(6, [RP(storage_hit=6, full_pages=6, transfers=(PoolName.SWA, PoolName.MAMBA)),
+                     RP(storage_hit=6, full_pages=6, transfers=(PoolName.SWA, PoolName.MAMBA), mamba_missing=True)]),
+        Prefetch(6, [RP(storage_hit=6, full_pages=6, transfers=(PoolName.SWA, PoolName.MAMBA))] * 2),
+    ]
+    out = run_scenario(2, MID, prefetches)
+    assert out.keys == [], out.explain()
 
 
 def test_world_4_mixed_progress() -> None:
