@@ -188,6 +188,9 @@ class SGLangRankWorker:
         self.anchor_is_root = bool(group.get("anchor_is_root", False))
         self.max_pages = int(group["max_request_pages"])
         self.tree_core_name = str(group.get("tree_core", "python"))
+        self.consensus = bool(group.get("rank_consensus", False))
+        if self.consensus:  # read by @rank_consensus at SGLang's import time (utils/rank_consensus_checker.py:87)
+            os.environ["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "1"
         sg = load_sglang()
         _publish_server_args(self.P)
         (self.urc, cip, ctm, mp, rk, bpc, hs, hcc, base) = import_sglang_modules(
@@ -254,6 +257,13 @@ class SGLangRankWorker:
                                    self.completion_group: "reduce_prefetch_ack",
                                    world: "drain_storage_control_queues"}, self._project)
         self.recorder.silent.add(self.harness_group)
+        if self.consensus:  # SGLang's own divergence detector: its worker thread, its dedicated gloo group(s)
+            import types
+
+            (rcc,) = import_sglang_modules("sglang.srt.utils.rank_consensus_checker")
+            rcc.configure([types.SimpleNamespace(cpu_group=world)])
+            self.recorder.silent.update(rcc._sync_groups)
+            self.rcc = rcc
         self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * ps))
         self.anchor = self._build_anchor()
         self._build_existing(group.get("existing", ()))
@@ -550,6 +560,19 @@ class SGLangRankWorker:
             return {"ran": ran, "reduced_acks": reduced["reduced_acks"], "pending_acks": reduced["pending_acks"]}
         return self._phase(run)
 
+    def match_prefix(self) -> dict[str, Any]:
+        """The real ``match_prefix`` (URC:609, ``@rank_consensus`` on its hit lengths) of the longest key: what the
+        scheduler does next with the host tree. Not a kvproof operation."""
+        def run() -> dict[str, Any]:
+            from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+            res = self.cache.match_prefix(MatchPrefixParams(key=self._key(0, len(self.tokens))))
+            if self.consensus:  # let the checker's worker thread compare this event with the peers' before replying
+                time.sleep(2.0)
+            return {"device_prefix": int(res.device_prefix_len), "host_hit_length": int(res.host_hit_length),
+                    "swa_host_hit_length": int(getattr(res, "swa_host_hit_length", 0))}
+        return self._phase(run)
+
     def fill_host(self, full_pages: int, swa_pages: int = 0) -> dict[str, Any]:
         """Pin host slots on this rank outside the tree (another request's buffers): rank-local host pressure, the
         premise of R5-a (sglang_semantics.md §6.7). Not a kvproof operation; no collective."""
@@ -709,7 +732,7 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
 
     def entered(r: int) -> str:
         c = inflight.get(r)
-        return "" if c is None else (f"; its last collective entered: {c['name']} all_reduce({c['op'].upper()}) of "
+        return "" if c is None else (f"; its last recorded collective: {c['name']} all_reduce({c['op'].upper()}) of "
                                      f"{c['n']} value(s) at step {c['step']}")
     try:
         for p in procs:

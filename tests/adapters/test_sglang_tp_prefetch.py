@@ -307,6 +307,25 @@ def test_swa_and_mamba_transfer_sets_same_shape_world_2() -> None:
     assert out.keys == [], out.explain()
 
 
+def test_rank_consensus_checker_catches_f1_world_2() -> None:
+    """With SGLang's own checker on (``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1``), F1's divergent trees surface at the
+    next ``match_prefix`` (``@rank_consensus`` on ``full_kv_hit_length`` / ``swa_host_hit_length``): its worker thread
+    compares the digests and ``os._exit(1)``s every rank. Without host pressure the same run passes the checker."""
+    group = {**MID, "existing": [], "rank_consensus": True}
+    tail = [(m, None) for m in (*PHASES, "match_prefix")]
+    start = [("initial_state", [(8, RP(storage_hit=8, full_pages=8))] * 2)]
+    from kvproof.conformance.adapters.sglang_tp_prefetch import run_ranks
+
+    calm = run_ranks(2, group, start + tail, timeout_s=90)
+    matched = [next(x for x in calm[r] if x.get("method") == "match_prefix") for r in (0, 1)]
+    assert all("error" not in x for r in (0, 1) for x in calm[r]), calm
+    assert matched[0]["host_hit_length"] == matched[1]["host_hit_length"]
+    pressed = run_ranks(2, group, [("fill_host", [(0, 0), (12, 0)]), *start, *tail], timeout_s=90)
+    last = [pressed[r][-1] for r in (0, 1)]
+    assert [x.get("exitcode") for x in last] == [1, 1], last
+    assert [x.get("method") for r in (0, 1) for x in pressed[r]].count("match_prefix") == 0  # died inside it
+
+
 def test_world_4_mixed_progress() -> None:
     if os.environ.get("KVPROOF_SKIP_WORLD4"):
         pytest.skip("KVPROOF_SKIP_WORLD4 set")
