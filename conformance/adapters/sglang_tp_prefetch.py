@@ -188,6 +188,7 @@ class SGLangRankWorker:
         self.anchor_is_root = bool(group.get("anchor_is_root", False))
         self.max_pages = int(group["max_request_pages"])
         self.tree_core_name = str(group.get("tree_core", "python"))
+        self.rust = self.tree_core_name == "rust"
         self.consensus = bool(group.get("rank_consensus", False))
         if self.consensus:  # read by @rank_consensus at SGLang's import time (utils/rank_consensus_checker.py:87)
             os.environ["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "1"
@@ -302,7 +303,7 @@ class SGLangRankWorker:
 
     def _build_anchor(self) -> Any:
         core = self.cache.tree_core
-        root = core.root_node.id if hasattr(core.root_node, "id") else core.root_node
+        root = core.root_node_handle() if self.rust else core.root_node.id
         if self.anchor_is_root:
             return root
         res = core.insert_host(root, self._key(0, self.P), self.full_host.alloc(self.P), ["anchor-hash"])
@@ -313,6 +314,9 @@ class SGLangRankWorker:
         core, off, pos = self.cache.tree_core, self._offset(), 0
         for item in existing:
             length, swa_host = (item["length"], item.get("swa_host", False)) if isinstance(item, dict) else item
+            if swa_host and self.rust:  # no Rust-core API attaches a host SWA value (attach_swa_window: device)
+                raise ValueError("tree_core='rust': an existing node with swa_host=True cannot be built; start from "
+                                 "SWA tombstones and let a prefetch attach windows")
             new = self.full_host.alloc(length)
             if new is None:
                 raise RuntimeError(f"the host pool cannot hold the existing path ({length} more tokens)")
@@ -325,16 +329,37 @@ class SGLangRankWorker:
                 self.swa._attach_swa_host_value(node, self.swa_host.alloc(length))
             pos += length
 
-    def _path(self) -> list[Any]:
-        """The nodes below the anchor along the key (Python core: node objects)."""
-        core, nodes = self.cache.tree_core, list[Any]()
-        node, off, pos = core.node_by_id(self.anchor), self._offset(), 0
+    def _nodes(self) -> list[dict[str, Any]]:
+        """The nodes below the anchor along the key: id, length, SWA host value present, and (Python core) the host
+        slots each holds. The Rust core: ``collect_path_info`` of the deepest host node ``match_prefix`` reaches and
+        ``component_has_host_value_only(node, SWA)`` (host-only nodes here), no slot values."""
+        core, off = self.cache.tree_core, self._offset()
+        out: list[dict[str, Any]] = []
+        if self.rust:
+            from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+            res = core.match_prefix(MatchPrefixParams(key=self._key(0, len(self.tokens))))
+            self.cache._apply_cache_actions(res.cache_actions)
+            if res.last_host_node is None or res.last_host_node == self.anchor:
+                return out
+            (path,) = core.collect_path_info([res.last_host_node])
+            for info in path:
+                if info.path_start >= off and info.node_id != self.anchor:
+                    out.append({"id": info.node_id, "length": info.path_end - info.path_start,
+                                "swa_host": bool(core.component_has_host_value_only(info.node_id, self.CT.SWA)),
+                                "full_vals": None, "swa_vals": None})
+            return out
+        node, pos = core.node_by_id(self.anchor), 0
         while True:
             child = next((c for c in node.children.values()
                           if list(c.key.token_ids[:1]) == self.tokens[off + pos:off + pos + 1]), None)
             if child is None:
-                return nodes
-            nodes.append(child)
+                return out
+            full = child.component_data[self.CT.FULL].host_value
+            swa = child.component_data[self.CT.SWA].host_value
+            out.append({"id": child.id, "length": len(child.key), "swa_host": swa is not None,
+                        "full_vals": set() if full is None else set(full.tolist()),
+                        "swa_vals": set() if swa is None else set(swa.tolist())})
             pos += len(child.key)
             node = child
 
@@ -535,10 +560,8 @@ class SGLangRankWorker:
             proceeds = ongoing0 and not self._ongoing()
             commit = None
             if proceeds:
-                commit = self._commit_report(before, staging, freed_full0, freed_swa0)
-                commit["discarded"] = bool(verdicts) and not verdicts[-1]
-                total = 0 if commit["discarded"] else int(self.op.completed_tokens)
-                commit["total_len"], commit["prefix_len"] = total, (total - self._loaded()) if total else 0
+                commit = self._commit_report(before, staging, freed_full0, freed_swa0,
+                                             discarded=bool(verdicts) and not verdicts[-1])
             return {"proceeds": proceeds, "via": via or "waiting", "commit": commit}
         return self._phase(run)
 
@@ -585,7 +608,7 @@ class SGLangRankWorker:
     # ------------------------------------------------------------ observation
 
     def _path_ids(self) -> list[int]:
-        return [n.id for n in self._path()]
+        return [n["id"] for n in self._nodes()]
 
     def _staging(self, info: Any) -> dict[str, list[int]]:
         if info is None or info.host_indices is None:
@@ -594,34 +617,35 @@ class SGLangRankWorker:
         swa = xs[0].host_indices.tolist() if xs and xs[0].host_indices is not None else []
         return {"full": info.host_indices.tolist(), "swa": swa}
 
-    def _commit_report(self, before: list[int], staging: dict[str, list[int]], f0: int, s0: int) -> dict[str, Any]:
+    def _commit_report(self, before: list[int], staging: dict[str, list[int]], f0: int, s0: int,
+                       discarded: bool) -> dict[str, Any]:
         self._drain_releases()
-        nodes, pos, ps = self._path(), 0, self.P
+        ps, pos = self.P, 0
         full_in_tree: set[int] = set()
         swa_in_tree: set[int] = set()
-        path, attached_now = [], False
-        old = set(before)
-        for n in nodes:
-            full = n.component_data[self.CT.FULL].host_value
-            swa = n.component_data[self.CT.SWA].host_value
-            full_in_tree |= set(full.tolist()) if full is not None else set()
-            swa_vals = set(swa.tolist()) if swa is not None else set()
-            swa_in_tree |= swa_vals
-            now = bool(swa_vals & set(staging["swa"]))
-            attached_now |= now
-            path.append({"length": len(n.key), "swa_host": swa is not None, "swa_attached_now": now,
-                         "existed": n.id in old, "start": pos})
-            pos += len(n.key)
+        path, old = [], set(before)
+        for n in self._nodes():
+            full_in_tree |= n["full_vals"] or set()
+            swa_in_tree |= n["swa_vals"] or set()
+            path.append({"length": n["length"], "swa_host": n["swa_host"], "existed": n["id"] in old, "start": pos})
+            pos += n["length"]
         freed_full = set(self.full_host.freed[f0:])
         freed_swa = set(self.swa_host.freed[s0:])
-        total = sum(p["length"] for p in path if not p["existed"]) if path else 0
-        full_owner = ["tree" if s in full_in_tree else "freed" if s in freed_full else "held"
-                      for s in staging["full"][::ps]]
-        swa_owner = ["tree" if s in swa_in_tree else "freed" if s in freed_swa else "held"
-                     for s in staging["swa"][::ps]]
-        return {"nodes": [(p["length"], p["swa_host"]) for p in path], "attached": attached_now,
-                "discarded": False,
-                "loaded_tokens": self._loaded(), "inserted_tokens": total,
+
+        def owner(slot: int, in_tree: set[int], freed: set[int]) -> str:
+            if slot in freed:
+                return "freed"
+            if self.rust:  # no slot values from the Rust core: a kept slot is the tree's unless the result was dropped
+                return "held" if discarded else "tree"
+            return "tree" if slot in in_tree else "held"
+
+        full_owner = [owner(slot, full_in_tree, freed_full) for slot in staging["full"][::ps]]
+        swa_owner = [owner(slot, swa_in_tree, freed_swa) for slot in staging["swa"][::ps]]
+        total = int(self.op.completed_tokens) if not discarded else 0
+        return {"nodes": [(p["length"], p["swa_host"]) for p in path], "attached": "tree" in swa_owner,
+                "discarded": discarded, "loaded_tokens": self._loaded(),
+                "inserted_tokens": sum(p["length"] for p in path if not p["existed"]),
+                "total_len": total, "prefix_len": (total - self._loaded()) if total else 0,
                 "splits": [p["start"] for p in path if p["start"] > 0],
                 "full_slots": full_owner, "swa_slots": swa_owner, "path": path}
 
@@ -639,11 +663,12 @@ class SGLangRankWorker:
 
     def snapshot(self) -> dict[str, Any]:
         self._drain_releases()
-        nodes = self._path()
-        full_tree = sum(int(n.component_data[self.CT.FULL].host_value.numel()) for n in nodes
-                        if n.component_data[self.CT.FULL].host_value is not None)
-        swa_tree = sum(int(n.component_data[self.CT.SWA].host_value.numel()) for n in nodes
-                       if n.component_data[self.CT.SWA].host_value is not None)
+        nodes = self._nodes()
+        # host-only nodes: a node's Full host value spans the node, and so does an SWA host value (the commit splits
+        # a tombstone so that the window is its own node); the Python core's values are counted, not assumed
+        full_tree = sum(len(n["full_vals"]) if n["full_vals"] is not None else n["length"] for n in nodes)
+        swa_tree = sum(len(n["swa_vals"]) if n["swa_vals"] is not None else n["length"] * n["swa_host"]
+                       for n in nodes)
         held_full = held_swa = 0
         for info in self.cache.ongoing_prefetch.values():
             st = self._staging(info)
@@ -653,7 +678,7 @@ class SGLangRankWorker:
         anchor = (0 if self.anchor_is_root else 1) + sum(
             int(t.numel()) // ps for t in getattr(self, "pinned", (None, None))[:1] if t is not None)
         full_free, swa_free = self.full_host.available_size() // ps, self.swa_host.available_size() // ps
-        return {"nodes": [(len(n.key), n.component_data[self.CT.SWA].host_value is not None) for n in nodes],
+        return {"nodes": [(n["length"], n["swa_host"]) for n in nodes],
                 # slots neither free, in the tree below the anchor, the anchor's, nor held by an ongoing prefetch:
                 # owned by an IO thread still in flight (released by its completed_req ACK's drain)
                 "full_io_thread": self.full_host.size // ps - full_free - full_tree // ps - held_full // ps - anchor,
