@@ -28,6 +28,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from array import array
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -266,6 +267,20 @@ class SGLangRankWorker:
             self.recorder.silent.update(rcc._sync_groups)
             self.rcc = rcc
         self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * ps))
+        self.leaf: Any = None  # Rust core: the deepest node an insert_host returned (its id survives splits)
+        self.leaf_end = -1
+        if self.rust:
+            real_insert_host = cache.tree_core.insert_host
+
+            def insert_host(*args: Any, **kwargs: Any) -> Any:  # the real insert, its deepest node remembered
+                res = real_insert_host(*args, **kwargs)
+                if res.inserted_host_node is not None:
+                    (path,) = cache.tree_core.collect_path_info([res.inserted_host_node])
+                    if path[-1].path_end > self.leaf_end:
+                        self.leaf, self.leaf_end = res.inserted_host_node, path[-1].path_end
+                return res
+
+            cache.tree_core.insert_host = insert_host
         self.anchor = self._build_anchor()
         self._build_existing(group.get("existing", ()))
         self.handle: Any = None
@@ -296,7 +311,7 @@ class SGLangRankWorker:
     # ------------------------------------------------------------ set-up of the host path (identical on every rank)
 
     def _key(self, start: int, end: int) -> Any:
-        return self.RadixKey(self.tokens[start:end])
+        return self.RadixKey(array("q", self.tokens[start:end]))  # int64 token ids, as the Rust core requires
 
     def _offset(self) -> int:
         return 0 if self.anchor_is_root else self.P
@@ -331,18 +346,14 @@ class SGLangRankWorker:
 
     def _nodes(self) -> list[dict[str, Any]]:
         """The nodes below the anchor along the key: id, length, SWA host value present, and (Python core) the host
-        slots each holds. The Rust core: ``collect_path_info`` of the deepest host node ``match_prefix`` reaches and
+        slots each holds. The Rust core: ``collect_path_info`` of the deepest node any ``insert_host`` returned and
         ``component_has_host_value_only(node, SWA)`` (host-only nodes here), no slot values."""
         core, off = self.cache.tree_core, self._offset()
         out: list[dict[str, Any]] = []
         if self.rust:
-            from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-            res = core.match_prefix(MatchPrefixParams(key=self._key(0, len(self.tokens))))
-            self.cache._apply_cache_actions(res.cache_actions)
-            if res.last_host_node is None or res.last_host_node == self.anchor:
+            if self.leaf is None:
                 return out
-            (path,) = core.collect_path_info([res.last_host_node])
+            (path,) = core.collect_path_info([self.leaf])
             for info in path:
                 if info.path_start >= off and info.node_id != self.anchor:
                     out.append({"id": info.node_id, "length": info.path_end - info.path_start,

@@ -189,9 +189,17 @@ def run_scenario(world_size: int, group: dict[str, Any], prefetches: list[Prefet
 MID = {"page_size": 2, "sliding_window": 4, "anchor_is_root": False, "existing": [(4, True)],
        "max_request_pages": 8}
 ROOT = {"page_size": 2, "sliding_window": 4, "anchor_is_root": True, "existing": [], "max_request_pages": 8}
+#: both tree cores: the Python one (its SWAComponent._commit_prefetch) and 0.5.23's default, the Rust one (no API to
+#: build an existing node with an SWA host value there, so its path starts as an SWA tombstone)
+CORES = ("python", "rust")
 
 
-def test_same_progress_and_differing_hits_window_and_pace_world_2() -> None:
+def mid(core: str) -> dict[str, Any]:
+    return {**MID, "tree_core": core} if core == "python" else {**MID, "tree_core": core, "existing": [(4, False)]}
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_same_progress_and_differing_hits_window_and_pace_world_2(core: str) -> None:
     prefetches = [
         Prefetch(6, [RP(storage_hit=6, full_pages=6), RP(storage_hit=6, full_pages=6)]),  # all equal: attach
         Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=7, full_pages=7)]),  # hits differ: MIN
@@ -199,19 +207,20 @@ def test_same_progress_and_differing_hits_window_and_pace_world_2() -> None:
         Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8, swa_missing=(0,))]),
         Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=5)]),  # a Full read fails
     ]
-    out = run_scenario(2, MID, prefetches)
-    print(f"{len(prefetches)} prefetches on 2 ranks in {out.seconds:.1f}s")
+    out = run_scenario(2, mid(core), prefetches)
+    print(f"{len(prefetches)} prefetches on 2 ranks in {out.seconds:.1f}s ({core} tree core)")
     assert out.keys == [], out.explain()
 
 
-def test_pace_wait_complete_then_best_effort_world_2() -> None:
+@pytest.mark.parametrize("core", CORES)
+def test_pace_wait_complete_then_best_effort_world_2(core: str) -> None:
     prefetches = [
         Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=5, io_done=False)]),
         Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8)], continued=True),
         Prefetch(8, [RP(storage_hit=8, full_pages=8, policy=TP.BEST_EFFORT),
                      RP(storage_hit=8, full_pages=3, io_done=False, policy=TP.BEST_EFFORT)], finish_io=True),
     ]
-    out = run_scenario(2, MID, prefetches)
+    out = run_scenario(2, mid(core), prefetches)
     assert set(out.keys) == KNOWN_PACE, out.explain()
 
 
@@ -222,12 +231,13 @@ KNOWN_PACE: set[tuple[Any, ...]] = {(2, 0, "calls"), (2, 1, "calls"), (2, 0, "fu
                                     (2, 1, "full slot owners"), (2, 0, "swa slot owners")}
 
 
-def test_root_sub_window_and_zero_hit_world_2() -> None:
+@pytest.mark.parametrize("core", CORES)
+def test_root_sub_window_and_zero_hit_world_2(core: str) -> None:
     prefetches = [
         Prefetch(6, [RP(storage_hit=1, full_pages=6), RP(storage_hit=1, full_pages=6)]),  # hit < window at root
         Prefetch(6, [RP(storage_hit=0, full_pages=0), RP(storage_hit=3, full_pages=3)]),  # synced hit 0
     ]
-    out = run_scenario(2, ROOT, prefetches)
+    out = run_scenario(2, {**ROOT, "tree_core": core}, prefetches)
     assert set(out.keys) == KNOWN_ROOT, out.explain()
 
 
@@ -239,13 +249,14 @@ KNOWN_ROOT: set[tuple[Any, ...]] = {(0, r, w) for r in (0, 1) for w in ("nodes",
     (1, r, w) for r in (0, 1) for w in ("calls", "proceeds")}
 
 
-def test_timeout_vote_world_2() -> None:
+@pytest.mark.parametrize("core", CORES)
+def test_timeout_vote_world_2(core: str) -> None:
     prefetches = [
         Prefetch(8, [RP(storage_hit=8, full_pages=8, policy=TP.TIMEOUT),
                      RP(storage_hit=8, full_pages=2, io_done=False, deadline_passed=True, policy=TP.TIMEOUT)],
                  finish_io=True),
     ]
-    out = run_scenario(2, MID, prefetches)
+    out = run_scenario(2, mid(core), prefetches)
     assert set(out.keys) == KNOWN_TIMEOUT, out.explain()
 
 
@@ -270,12 +281,13 @@ def test_different_transfer_sets_is_a_bounded_mismatch_world_2() -> None:
     assert multiprocessing.active_children() == []
 
 
-def test_rank_local_host_pressure_breaks_t1_world_2() -> None:
+@pytest.mark.parametrize("core", CORES)
+def test_rank_local_host_pressure_breaks_t1_world_2(core: str) -> None:
     """F1 (notes): rank 1 has 5 free Full host pages, rank 0 17. The synced hit is 8 pages on both; rank 1's
     ``_try_alloc_storage_hit`` allocates 5 (``allow_partial``) and truncates its ``hash_value`` to 5 pages, after the
     hit query. The completed ACKs MIN to 5 pages on both; rank 0 expects 8 and discards, rank 1 expects 5 and
     inserts 10 tokens with the SWA window of pages 3-4 attached: the host trees differ (T1), silently."""
-    empty = {**MID, "existing": []}
+    empty = {**MID, "existing": [], "tree_core": core}
     prefetches = [Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8)])]
     out = run_scenario(2, empty, prefetches, before=[("fill_host", [(0, 0), (12, 0)])])
     assert set(out.keys) == KNOWN_PRESSURE, out.explain()
