@@ -276,6 +276,12 @@ def test_different_transfer_sets_is_a_bounded_mismatch_world_2() -> None:
     print("reference:", state.mismatch.describe())
     print(f"real, verdict after {took:.1f}s (rank start-up included):", out.divergences)
     assert out.keys == [(0, None, "error")], out.explain()
+    # the verdict names both ranks and the shapes they entered the collective with (R = 6: 7 flags + 23 verdicts on
+    # the rank with an SWA transfer, 1 hit + 23 on the other)
+    verdict = out.divergences[0]
+    assert "rank 0:" in verdict and "rank 1:" in verdict
+    assert "sync_prefetch_hit_query all_reduce(MIN) of 30 value(s)" in verdict
+    assert "sync_prefetch_hit_query all_reduce(MIN) of 24 value(s)" in verdict
     assert took < 60
     import multiprocessing
     assert multiprocessing.active_children() == []
