@@ -212,13 +212,18 @@ class SGLangRankWorker:
                           swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
         alloc = sg.SWATokenToKVPoolAllocator(size, size, ps, torch.float32, "cpu", kv, need_sort=False)
         r2t = mp.ReqToTokenPool(size=4, max_context_len=size, device="cpu", enable_memory_saver=False)
-        world = torch.distributed.group.WORLD
         ranks = list(range(world_size))
         # 0.5.23 builds dedicated gloo groups for the two controller reductions (cache_controller.py:404-429,
         # create_custom_parallel_group(backend="gloo")); new_group(backend="gloo") is the same kind of group.
-        self.hits_group = torch.distributed.new_group(ranks, backend="gloo")
-        self.completion_group = torch.distributed.new_group(ranks, backend="gloo")
-        self.harness_group = torch.distributed.new_group(ranks, backend="gloo")
+        # Every group SGLang uses is built here with the bounded timeout (new_group does not inherit
+        # init_process_group's, and the default group may carry a longer one for start-up); the barrier first lines
+        # the ranks up after their (uneven) SGLang imports, so the groups' own connection never waits long.
+        bound = timedelta(seconds=float(group.get("collective_timeout_s", 5.0)))
+        torch.distributed.barrier()
+        world = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
+        self.hits_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
+        self.completion_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
+        self.harness_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
         self.tp_group = world
         params = cip.CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                      page_size=ps, sliding_window_size=self.W, tp_cache_group=world,
@@ -594,6 +599,16 @@ class SGLangRankWorker:
             return {"ran": ran, "reduced_acks": reduced["reduced_acks"], "pending_acks": reduced["pending_acks"]}
         return self._phase(run)
 
+    def unpin_host(self) -> dict[str, Any]:
+        """Free what :meth:`fill_host` pinned. Not a kvproof operation; no collective."""
+        full, swa = getattr(self, "pinned", (None, None))
+        if full is not None:
+            self.full_host.free(full)
+        if swa is not None:
+            self.swa_host.free(swa)
+        self.pinned = (None, None)
+        return {"calls": [], "full_free": self.full_host.available_size() // self.P}
+
     def match_prefix(self) -> dict[str, Any]:
         """The real ``match_prefix`` (URC:609, ``@rank_consensus`` on its hit lengths) of the longest key: what the
         scheduler does next with the host tree. Not a kvproof operation."""
@@ -715,14 +730,19 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], script: list[Any],
-               replies: Any, collective_timeout_s: float) -> None:
+               replies: Any, collective_timeout_s: float, startup_timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        from kvproof.conformance.adapters.sglang import load_sglang
+
+        if group.get("rank_consensus"):  # read by @rank_consensus at SGLang's import time
+            os.environ["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "1"
+        load_sglang()  # import before the rendezvous: the ranks' imports take uneven time on a loaded machine
+        # the default group only starts the ranks (rendezvous, the start-up barrier): it gets the parent's budget
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                             world_size=world_size,
-                                             timeout=timedelta(seconds=collective_timeout_s))
-        worker = SGLangRankWorker(group, rank, world_size)
+                                             world_size=world_size, timeout=timedelta(seconds=startup_timeout_s))
+        worker = SGLangRankWorker({**group, "collective_timeout_s": collective_timeout_s}, rank, world_size)
         replies.put((rank, -1, "ready", {}))
         current = [0]
         worker.recorder.on_call = lambda entry: replies.put((rank, -3, "call", {
@@ -760,7 +780,7 @@ def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout
     replies = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, group, script, replies,
-                                                  collective_timeout_s), daemon=True)
+                                                  collective_timeout_s, timeout_s), daemon=True)
              for r in range(world_size)]
     out: list[list[dict[str, Any]]] = [[] for _ in range(world_size)]
     inflight: dict[int, dict[str, Any]] = {}  # each rank's last collective entered (its shape)

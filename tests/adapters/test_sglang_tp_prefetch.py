@@ -310,6 +310,24 @@ KNOWN_PRESSURE: set[tuple[Any, ...]] = {(0, None, "trees differ"), (0, 0, "calls
     (0, 1, w) for w in ("nodes", "total_len", "full pages in the tree")}
 
 
+def test_a_rank_that_skips_the_collective_times_out_world_2() -> None:
+    """Rank 1 never registered the prefetch (``registered=False``): it makes no hit-query collective, rank 0 does and
+    times out after the group's bounded 5 s (every group, the dedicated ones included, is built with it); rank 1's
+    next collective (the queue-size MIN of its scheduler step) times out too. The reference: a mismatch with "no
+    call" for rank 1."""
+    prefetches = [Prefetch(6, [RP(storage_hit=6, full_pages=6), RP(storage_hit=6, full_pages=6, registered=False)])]
+    t0 = time.perf_counter()
+    out = run_scenario(2, MID, prefetches, timeout_s=60)
+    took = time.perf_counter() - t0
+    state = out.states[0]
+    assert state.phase is Phase.MISMATCHED and state.mismatch is not None
+    assert state.mismatch.groups() == {"MIN shape (10,)": (0,), "no call": (1,)}
+    print(f"real, verdict after {took:.1f}s:", out.divergences)
+    assert out.keys == [(0, None, "error")], out.explain()
+    assert "Timed out" in out.divergences[0]
+    assert took < 60
+
+
 def test_swa_and_mamba_transfer_sets_same_shape_world_2() -> None:
     """Rank 0 fetches an SWA window, rank 1 a Mamba checkpoint: both TRAILING_PAGES, so the hit queries (flags + the
     23 verdicts, ``-1`` for the pool a rank omitted) and the pool ACKs (by ``PoolName``) have the same shapes; the MIN
