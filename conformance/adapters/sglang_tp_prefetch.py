@@ -272,6 +272,7 @@ class SGLangRankWorker:
             self.recorder.silent.update(rcc._sync_groups)
             self.rcc = rcc
         self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * ps))
+        self.pinned: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # fill_host's slots
         self.leaf: Any = None  # Rust core: the deepest node an insert_host returned (its id survives splits)
         self.leaf_end = -1
         if self.rust:
@@ -389,16 +390,18 @@ class SGLangRankWorker:
             out = fn() or {}
         return {"calls": list(calls), **out}
 
-    def initial_state(self, request_pages: int, progress: Any) -> dict[str, Any]:
+    def initial_state(self, request_pages: int, progress: Any, new: bool = False) -> dict[str, Any]:
         """Start one prefetch of ``request_pages`` pages below the anchor, or update the progress of the ongoing one
-        (after a check that said wait). Mirrors prefetch_from_storage (unified_radix_cache.py:2081-2257) with the
-        components' real prepare_prefetch / build_hicache_transfers; no collective."""
+        (after a check that said wait; ``new=True`` starts another request even then: two prefetches in flight, the
+        phases then act on the newest while the ACK reductions and drains serve both). Mirrors prefetch_from_storage
+        (unified_radix_cache.py:2081-2257) with the components' real prepare_prefetch / build_hicache_transfers; no
+        collective."""
         st = self.storage
         st.hit, st.full_pages = int(progress.storage_hit), int(progress.full_pages)
         st.swa_missing, st.mamba_missing = tuple(progress.swa_missing), bool(progress.mamba_missing)
         self.progress = progress
         self.cache.prefetch_stop_policy = str(progress.policy.value)
-        if self.handle is not None and self.handle in self.cache.ongoing_prefetch:
+        if not new and self.handle is not None and self.handle in self.cache.ongoing_prefetch:
             self._set_deadline()
             return {"calls": [], "continued": True}
         self.request_pages, self.handle, self.vote, self.io_ran = int(request_pages), None, None, False
@@ -553,9 +556,14 @@ class SGLangRankWorker:
             verdicts: list[bool] = []
             real_check = self.cache._check_hybrid_prefetch_result
 
-            def check(*args: Any, **kwargs: Any) -> bool:  # the real check, its verdict recorded
-                ok = bool(real_check(*args, **kwargs))
-                verdicts.append(ok)
+            handled: list[dict[str, Any]] = []
+
+            def check(request: Any, operation: Any, *args: Any, **kwargs: Any) -> bool:  # the real check, recorded
+                ok = bool(real_check(request, operation, *args, **kwargs))
+                if request == self.handle:
+                    verdicts.append(ok)
+                handled.append({"rid": request.rid, "usable": ok, "completed_tokens": int(operation.completed_tokens),
+                                "expected_tokens": len(operation.hash_value) * self.P})
                 return ok
 
             self.cache._check_hybrid_prefetch_result = check
@@ -578,7 +586,8 @@ class SGLangRankWorker:
             if proceeds:
                 commit = self._commit_report(before, staging, freed_full0, freed_swa0,
                                              discarded=bool(verdicts) and not verdicts[-1])
-            return {"proceeds": proceeds, "via": via or "waiting", "commit": commit}
+            return {"proceeds": proceeds, "via": via or "waiting", "commit": commit, "handled": handled,
+                    "rid": self.handle.rid}
         return self._phase(run)
 
     def finish_io(self) -> dict[str, Any]:
@@ -601,7 +610,7 @@ class SGLangRankWorker:
 
     def unpin_host(self) -> dict[str, Any]:
         """Free what :meth:`fill_host` pinned. Not a kvproof operation; no collective."""
-        full, swa = getattr(self, "pinned", (None, None))
+        full, swa = self.pinned
         if full is not None:
             self.full_host.free(full)
         if swa is not None:
@@ -702,7 +711,7 @@ class SGLangRankWorker:
             held_swa += len(st["swa"])
         ps = self.P
         anchor = (0 if self.anchor_is_root else 1) + sum(
-            int(t.numel()) // ps for t in getattr(self, "pinned", (None, None))[:1] if t is not None)
+            int(t.numel()) // ps for t in self.pinned[:1] if t is not None)
         full_free, swa_free = self.full_host.available_size() // ps, self.swa_host.available_size() // ps
         return {"nodes": [(n["length"], n["swa_host"]) for n in nodes],
                 # slots neither free, in the tree below the anchor, the anchor's, nor held by an ongoing prefetch:

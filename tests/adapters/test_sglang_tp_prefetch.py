@@ -343,6 +343,34 @@ def test_swa_and_mamba_transfer_sets_same_shape_world_2() -> None:
     assert out.keys == [], out.explain()
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_rank_local_revoke_pairs_acks_across_requests_world_2(core: str) -> None:
+    """F2 (notes): rank 1 has no free Full host page when request 1's synced hit arrives: ``_try_alloc_storage_hit``
+    revokes it there only (after the hit query). Rank 0 fetches it and queues three ACKs that rank 1 never emits.
+    Request 2 then runs on both; the sync threads pair rank 0's request-1 ACKs with rank 1's request-2 ACKs (same
+    shapes): rank 0 applies MIN(16, 12) = 12 tokens to request 1 and discards it (it expects 16), rank 1 commits
+    request 2 (12 tokens, window attached), rank 0's request 2 waits behind ACKs that pair with whatever comes
+    next. The host trees differ."""
+    from kvproof.conformance.adapters.sglang_tp_prefetch import run_ranks
+
+    steps = [(m, None) for m in PHASES]
+    script = [("fill_host", [(0, 0), (17, 0)]), ("initial_state", [(8, RP(storage_hit=8, full_pages=8))] * 2),
+              *steps, ("unpin_host", None),
+              ("initial_state", [(6, RP(storage_hit=6, full_pages=6), True)] * 2), *steps]
+    out = run_ranks(2, {**MID, "existing": [], "tree_core": core}, script, timeout_s=120)
+    assert all("error" not in x for r in (0, 1) for x in out[r]), out
+    query = [[x for x in out[r] if x["method"] == "sync_prefetch_hit_query"] for r in (0, 1)]
+    assert [q[0]["revoked"] for q in query] == [False, True]  # request 1: revoked on rank 1 only, after the sync
+    reduced = [[x for x in out[r] if x["method"] == "reduce_prefetch_ack"][-1] for r in (0, 1)]
+    acks = [[c["kvproof"]["values"] for c in red["calls"]] for red in reduced]
+    assert acks == [[[8], [0, 0, 2]], [[6], [0, 0, 2]]]  # rank 0 reduces request 1's ACKs, rank 1 request 2's
+    handled = [[x for x in out[r] if x["method"] == "handle_prefetch_result"][-1] for r in (0, 1)]
+    assert handled[0]["handled"] == [{"rid": "req-1", "usable": False, "completed_tokens": 12, "expected_tokens": 16}]
+    assert handled[1]["handled"] == [{"rid": "req-2", "usable": True, "completed_tokens": 12, "expected_tokens": 12}]
+    trees = [[tuple(n) for n in [x for x in out[r] if x["method"] == "snapshot"][-1]["nodes"]] for r in (0, 1)]
+    assert trees == [[], [(8, False), (4, True)]]
+
+
 def test_rank_consensus_checker_catches_f1_world_2() -> None:
     """With SGLang's own checker on (``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1``), F1's divergent trees surface at the
     next ``match_prefix`` (``@rank_consensus`` on ``full_kv_hit_length`` / ``swa_host_hit_length``): its worker thread
