@@ -494,12 +494,13 @@ class SGLangRankWorker:
             try:
                 cc._page_transfer_with_stable_layout(op)
             finally:
-                cc.prefetch_sync_queue.put(self.hs_ack(op))
+                cc.prefetch_sync_queue.put(self._completed_req_ack(op))
             self.io_ran = True
             return {"ran": True, "acks": [self._ack_kind(a) for a in list(cc.prefetch_sync_queue.queue)]}
         return self._phase(run)
 
-    def hs_ack(self, op: Any) -> Any:
+    def _completed_req_ack(self, op: Any) -> Any:
+        """The ACK the IO aux thread sends when the transfer ends (managers/cache_controller.py:1261-1267)."""
         from sglang.srt.managers.cache_controller import PrefetchAck
         return PrefetchAck(rid=op.request_id, completed_req=True, operation=op)
 
@@ -600,7 +601,7 @@ class SGLangRankWorker:
                 try:
                     self.cc._page_transfer_with_stable_layout(self.op)
                 finally:
-                    self.cc.prefetch_sync_queue.put(self.hs_ack(self.op))
+                    self.cc.prefetch_sync_queue.put(self._completed_req_ack(self.op))
                 self.io_ran = ran = True
             reduced = self._reduce_acks()
             self.cache.drain_storage_control_queues()
