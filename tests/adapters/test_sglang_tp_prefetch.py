@@ -289,10 +289,11 @@ def test_different_transfer_sets_is_a_bounded_mismatch_world_2() -> None:
 
 @pytest.mark.parametrize("core", CORES)
 def test_rank_local_host_pressure_breaks_t1_world_2(core: str) -> None:
-    """F1 (notes): rank 1 has 5 free Full host pages, rank 0 17. The synced hit is 8 pages on both; rank 1's
-    ``_try_alloc_storage_hit`` allocates 5 (``allow_partial``) and truncates its ``hash_value`` to 5 pages, after the
-    hit query. The completed ACKs MIN to 5 pages on both; rank 0 expects 8 and discards, rank 1 expects 5 and
-    inserts 10 tokens with the SWA window of pages 3-4 attached: the host trees differ (T1), silently."""
+    """F6 (docs/sglang-findings.md): rank 1 has 5 free Full host pages, rank 0 17. The synced hit is 8 pages on
+    both; rank 1's ``_try_alloc_storage_hit`` allocates 5 (``allow_partial``) and truncates its ``hash_value`` to 5
+    pages, after the hit query. The completed ACKs MIN to 5 pages on both; rank 0 expects 8 and discards, rank 1
+    expects 5 and inserts 10 tokens with the SWA window of pages 3-4 attached: the host trees differ (T1),
+    silently."""
     empty = {**MID, "existing": [], "tree_core": core}
     prefetches = [Prefetch(8, [RP(storage_hit=8, full_pages=8), RP(storage_hit=8, full_pages=8)])]
     out = run_scenario(2, empty, prefetches, before=[("fill_host", [(0, 0), (12, 0)])])
@@ -302,7 +303,7 @@ def test_rank_local_host_pressure_breaks_t1_world_2(core: str) -> None:
     assert [tuple(n) for n in handled[1]["commit"]["nodes"]] == [(6, False), (4, True)]
 
 
-#: F1: the reference has no host pressure (each rank holds its request's pages: both commit 16 tokens); 0.5.23's
+#: F6: the reference has no host pressure (each rank holds its request's pages: both commit 16 tokens); 0.5.23's
 #: rank 0 discards, its rank 1 commits 10 tokens, the trees differ.
 KNOWN_PRESSURE: set[tuple[Any, ...]] = {(0, None, "trees differ"), (0, 0, "calls"), (0, 1, "calls")} | {
     (0, 0, w) for w in ("nodes", "attached", "discarded", "total_len", "full pages in the tree", "swa pages attached",
@@ -345,7 +346,8 @@ def test_swa_and_mamba_transfer_sets_same_shape_world_2() -> None:
 
 @pytest.mark.parametrize("core", CORES)
 def test_rank_local_revoke_pairs_acks_across_requests_world_2(core: str) -> None:
-    """F2 (notes): rank 1 has no free Full host page when request 1's synced hit arrives: ``_try_alloc_storage_hit``
+    """F7 (docs/sglang-findings.md): rank 1 has no free Full host page when request 1's synced hit arrives:
+    ``_try_alloc_storage_hit``
     revokes it there only (after the hit query). Rank 0 fetches it and queues three ACKs that rank 1 never emits.
     Request 2 then runs on both; the sync threads pair rank 0's request-1 ACKs with rank 1's request-2 ACKs (same
     shapes): rank 0 applies MIN(16, 12) = 12 tokens to request 1 and discards it (it expects 16), rank 1 commits
@@ -371,8 +373,8 @@ def test_rank_local_revoke_pairs_acks_across_requests_world_2(core: str) -> None
     assert trees == [[], [(8, False), (4, True)]]
 
 
-def test_rank_consensus_checker_catches_f1_world_2() -> None:
-    """With SGLang's own checker on (``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1``), F1's divergent trees surface at the
+def test_rank_consensus_checker_catches_f6_world_2() -> None:
+    """With SGLang's own checker on (``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1``), F6's divergent trees surface at the
     next ``match_prefix`` (``@rank_consensus`` on ``full_kv_hit_length`` / ``swa_host_hit_length``): its worker thread
     compares the digests and ``os._exit(1)``s every rank. Without host pressure the same run passes the checker."""
     group = {**MID, "existing": [], "rank_consensus": True}
