@@ -581,7 +581,7 @@ class TPPrefetchRuntime:
             raise RuntimeError("; ".join(f"rank {r.rank} {r.status}: {r.error}" for r in bad))
         return [r.value for r in replies]
 
-    def _phase(self, op: str, phase: Phase, *, decided: bool = False) -> PhaseReport:
+    def _phase(self, op: str, phase: Phase) -> PhaseReport:
         start = time.monotonic()
         replies = self._command(op)
         seconds = time.monotonic() - start
