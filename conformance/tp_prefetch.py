@@ -192,12 +192,13 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
 
     # ------------------------------------------------------------ one operation on both sides
 
-    def _run(self, op: str, args: str, reference: Any, impl_call: Any) -> None:
-        """``op`` on both sides; the same :class:`PhaseReport` or a verdict saying where they differ."""
+    def _run(self, op: str) -> None:
+        """``op`` (a function of the reference module, a method of the implementation) on both sides; the same
+        :class:`PhaseReport` or a verdict saying where they differ."""
         before = self.state
         if before is None:  # the rules' preconditions exclude it
             raise HarnessBug(f"{op} without a check in progress")
-        out = self.call(op, args, lambda: reference(before), impl_call)
+        out = self.call(op, "", lambda: getattr(tp, op)(before), getattr(self.impl, op))
         if out is None:  # both raised alike (never expected here: no failure is drawn)
             return
         after, got = out
@@ -240,27 +241,27 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         if out is None:
             return
         self.state = out[0][0]
-        self._run("sync_prefetch_hit_query", "", tp.sync_prefetch_hit_query, self.impl.sync_prefetch_hit_query)
+        self._run("sync_prefetch_hit_query")
 
     @operation(when=lambda self: self._at("page_transfer"))
     def page_transfer(self) -> None:
         """Every rank's IO thread against the synced hit."""
-        self._run("page_transfer", "", tp.page_transfer, self.impl.page_transfer)
+        self._run("page_transfer")
 
     @operation(when=lambda self: self._at("can_terminate_prefetch"))
     def can_terminate_prefetch(self) -> None:
         """The termination vote."""
-        self._run("can_terminate_prefetch", "", tp.can_terminate_prefetch, self.impl.can_terminate_prefetch)
+        self._run("can_terminate_prefetch")
 
     @operation(when=lambda self: self._at("reduce_prefetch_ack"))
     def reduce_prefetch_ack(self) -> None:
         """The packed MIN of the completed count and the sidecar hits."""
-        self._run("reduce_prefetch_ack", "", tp.reduce_prefetch_ack, self.impl.reduce_prefetch_ack)
+        self._run("reduce_prefetch_ack")
 
     @operation(when=lambda self: self._at("handle_prefetch_result"))
     def handle_prefetch_result(self) -> None:
         """Every terminating rank inserts, commits and releases."""
-        self._run("handle_prefetch_result", "", tp.handle_prefetch_result, self.impl.handle_prefetch_result)
+        self._run("handle_prefetch_result")
 
     def _at(self, op: str) -> bool:
         return self.state is not None and self.state.phase is _AT[op]

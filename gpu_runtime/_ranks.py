@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-__all__ = ["CallRecord", "RankGroup", "RankGroupError", "RankReply", "acquire", "collective_device", "live_groups",
-           "naming", "release_all"]
+__all__ = ["CallRecord", "RankGroup", "RankGroupError", "RankReply", "acquire", "collective_device", "naming",
+           "release_all"]
 
 #: Seconds the parent allows beyond the collective timeout (process scheduling on a loaded machine).
 GRACE_S = 5.0
@@ -250,7 +250,6 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
-        self.started_s = time.monotonic() - started
 
     def _stderr(self, rank: int) -> str:
         return os.path.join(self._dir, f"rank{rank}.stderr")
@@ -439,11 +438,6 @@ def acquire(world_size: int, collective_timeout: float) -> RankGroup:
             group = RankGroup(world_size, collective_timeout=collective_timeout)
             _POOL[key] = group
         return group
-
-
-def live_groups() -> tuple[RankGroup, ...]:
-    """Every group of this process not closed yet."""
-    return tuple(_GROUPS)
 
 
 def release_all() -> None:
