@@ -5,18 +5,24 @@ ranks, a page size and window (a window that is not a page multiple, a window lo
 root), and the host path every rank starts from (SWA host values and tombstones). The run option ``--variant``
 picks the protocol (``upstream_0523``, the default; ``pre_27264``, ``upstream_27264``, ``sum_hits``,
 ``best_effort_release``); ``--ranks`` says whether ranks may differ in what the protocol assumes they share:
-``agree`` (the default: one termination policy, one transfer set, every rank registered) or ``mixed`` (each rank
-its own: T5's and R5-d's residual risks).
+``agree`` (the default: one termination policy, one transfer set, every rank registered), ``mixed`` (each rank
+its own: T5's and R5-d's residual risks) or ``host_pressure`` (they agree on those, but under a 0.5.23 protocol each
+rank may have fewer Full host pages free when the synced hit is staged: F6; 0.5.23 sizes the host pools alike and
+releases through rank-min queues to prevent that).
 
 The machine plays the scheduler of every rank. A check of a prefetch is the five operations of
 ``kvproof.reference.tp_prefetch`` in order, one rule each: ``sync_prefetch_hit_query`` starts it (a request of
 ``R`` pages extending the host path, and each rank's own progress: storage hit, pace, whether its IO thread
-finished, failed window pages, deadline, policy, transfer set), then ``page_transfer``,
+finished, failed window pages, deadline, policy, transfer set; under ``--ranks mixed`` or ``host_pressure`` with
+a 0.5.23 protocol also the Full host pages it has free when the hit is staged), then ``page_transfer``,
 ``can_terminate_prefetch``, ``reduce_prefetch_ack``, ``handle_prefetch_result``. A check in which no rank may
-terminate ends waiting; the next check continues the same request with later progress. Every operation runs on
-the reference and on the implementation (for kvproof's runtime: real processes over a real gloo group), and both
-must report the same :class:`~kvproof.reference.tp_prefetch.PhaseReport`: the same collectives (each rank's
-packed values, the reduced result), the same decisions, the same commits per rank; a mismatched collective on
+terminate ends waiting; the next check continues the same request with later progress (the same storage hits:
+the hit query is not made again). Under 0.5.23 a synced hit of 0 pages revokes the prefetch (the check ends).
+Every operation runs on the reference and on the implementation (for kvproof's runtime: real processes over a real
+gloo group), and both must report the same :class:`~kvproof.reference.tp_prefetch.PhaseReport`: the same
+collectives (each rank's packed values, the reduced result), the same decisions, the same commits per rank (who
+releases a slot compared as "released" for an implementation without ``Capability.SLOT_RELEASE_PATHS``: SGLang's
+releases all end in the same drains); a mismatched collective on
 either side (ranks that disagree on a collective's presence, op or shape) is a verdict naming the ranks, the
 shapes and the time it took to see it.
 
@@ -42,7 +48,7 @@ from kvproof.conformance.check import Suite
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.lockstep import Lockstep, check_after_each_step, operation
 from kvproof.reference import tp_prefetch as tp
-from kvproof.reference.contract import TPPrefetchUnderTest
+from kvproof.reference.contract import Capability, TPPrefetchUnderTest
 from kvproof.reference.errors import InvariantViolation
 from kvproof.reference.registry import Component
 from kvproof.reference.tp_prefetch import HostNode, Phase, PoolName, TerminationPolicy, TPPrefetchGroup
@@ -76,9 +82,13 @@ _AT = dict(STEPS)
 _NOT_FALSE = st.booleans().map(lambda b: not b)
 
 
-def _finding(err: InvariantViolation, variant: tp.TPPrefetchVariant) -> str:
-    """Which known finding a broken invariant is (sglang_semantics.md §7-§9), or "new"."""
-    text = str(err)
+def _finding(err: InvariantViolation, state: tp.PrefetchState) -> str:
+    """Which known finding a broken invariant is (sglang_semantics.md §7-§9, docs/sglang-findings.md), or "new"."""
+    text, variant = str(err), state.config.variant
+    short = any(r.staged is not None and r.synced_hit is not None and r.staged < r.synced_hit for r in state.ranks)
+    if variant.protocol_0523 and "[T1]" in text and short:
+        return ("F6 (docs/sglang-findings.md: rank-local host pressure: a rank stages fewer Full pages than the synced "
+                "hit after the sync, so the ranks expect different lengths)")
     if variant is tp.TPPrefetchVariant.PRE_27264 and any(f"[{t}]" in text for t in ("T1", "T2", "T3")):
         return "S10 (sglang_semantics.md §9: only the completed count is synced, each rank's SWA hits stay local)"
     if "R5-d" in text:
@@ -107,7 +117,10 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
     def __init__(self, binding: Any) -> None:
         binding = dataclasses.replace(binding, config=self.effective_config(binding.config, binding.options))
         super().__init__(binding)
-        self.mixed = binding.options.get("ranks", "agree") == "mixed"
+        ranks = binding.options.get("ranks", "agree")
+        self.mixed = ranks == "mixed"
+        #: ranks may have different free host memory at hit time (0.5.23 stages then; before, at the start)
+        self.host_pressure = ranks in ("mixed", "host_pressure") and self.config.variant.protocol_0523
         self.n, self.p = self.config.world_size, self.config.page_size
         self.path: tuple[HostNode, ...] = self.config.existing
         self.state: tp.PrefetchState | None = None  # the check in progress (or the one that ended waiting)
@@ -122,7 +135,7 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
     # ------------------------------------------------------------ drawing a check
 
     def _idle(self) -> bool:
-        return self.state is None or self.state.phase in (Phase.COMMITTED, Phase.WAITING)
+        return self.state is None or self.state.phase in (Phase.COMMITTED, Phase.WAITING, Phase.REVOKED)
 
     def _window(self, r: int, transfers: tuple[PoolName, ...]) -> int:
         if PoolName.SWA not in transfers:
@@ -144,38 +157,48 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
 
     def _progress(self, data: Any, rank: int, r: int, policy: TerminationPolicy, transfers: tuple[PoolName, ...],
                   registered: bool) -> tp.RankProgress:
+        """Rank ``rank``'s progress for a new request: what its storage answers (and, under host pressure, its free
+        host pages at hit time: F6), then its pace."""
         at = f"rank{rank}."
         hit = data.draw(st.one_of(st.just(r), st.integers(0, r)), label=at + "storage_hit")
-        full = data.draw(st.one_of(st.just(r), st.integers(0, r)), label=at + "full_pages")
+        free = None
+        if self.host_pressure:
+            free = data.draw(st.one_of(st.none(), st.integers(1, r)), label=at + "host_free_pages")
+        kept = tp.RankProgress(storage_hit=hit, full_pages=0, io_done=False, policy=policy, transfers=transfers,
+                               registered=registered, host_free_pages=free)
+        return self._pace(data, rank, r, kept)
+
+    def _pace(self, data: Any, rank: int, r: int, kept: tp.RankProgress) -> tp.RankProgress:
+        """``kept`` (what a continued check keeps: storage hit, policy, transfers, registration, host capacity) with
+        the rank's pace moved on: loaded pages (never fewer), IO finished, deadline (once passed, passed), failed
+        fetches. A rank whose IO thread finished has nothing left to move: its progress stays."""
+        if kept.io_done:
+            return kept
+        at, transfers = f"rank{rank}.", kept.transfers
+        full = data.draw(st.one_of(st.just(r), st.integers(kept.full_pages, r)), label=at + "full_pages")
         window = self._window(r, transfers)
         missing = data.draw(st.one_of(st.just([]), st.lists(st.integers(0, window - 1), max_size=2, unique=True))
                             if window else st.just([]), label=at + "swa_missing")
-        return tp.RankProgress(storage_hit=hit, full_pages=full,
-                               io_done=data.draw(_NOT_FALSE, label=at + "io_done"),
-                               deadline_passed=data.draw(st.booleans(), label=at + "deadline_passed"),
-                               policy=policy, transfers=transfers, swa_missing=tuple(sorted(missing)),
-                               mamba_missing=PoolName.MAMBA in transfers and data.draw(st.booleans(),
-                                                                                      label=at + "mamba_missing"),
-                               registered=registered)
+        return kept.model_copy(update={
+            "full_pages": full, "io_done": data.draw(_NOT_FALSE, label=at + "io_done"),
+            "deadline_passed": kept.deadline_passed or data.draw(st.booleans(), label=at + "deadline_passed"),
+            "swa_missing": tuple(sorted(missing)),
+            "mamba_missing": PoolName.MAMBA in transfers and data.draw(st.booleans(), label=at + "mamba_missing")})
 
     def _draw_check(self, data: Any) -> tuple[int, tuple[tp.RankProgress, ...]]:
-        """A request and every rank's progress: the waiting request again (same transfer sets and registration),
-        or a new one at least as long as the host path."""
+        """A request and every rank's progress: the waiting request again (what its storage answered, its transfer
+        sets, policies and registration kept; only the pace moves on), or a new one at least as long as the host
+        path."""
         c = self.config
         if self.pending is not None:
             r, shape = self.pending
-        else:
-            low = max(1, c.path_pages(self.path))
-            r = data.draw(st.one_of(st.just(c.max_request_pages), st.integers(low, c.max_request_pages)),
-                          label="request_pages")
-            shape = ()
+            return r, tuple(self._pace(data, i, r, p) for i, p in enumerate(shape))
+        low = max(1, c.path_pages(self.path))
+        r = data.draw(st.one_of(st.just(c.max_request_pages), st.integers(low, c.max_request_pages)),
+                      label="request_pages")
         policies = [TerminationPolicy.WAIT_COMPLETE.value, TerminationPolicy.TIMEOUT.value,
                     TerminationPolicy.BEST_EFFORT.value]
-        if shape:
-            transfers = [p.transfers for p in shape]
-            registered = [p.registered for p in shape]
-            policy = [p.policy for p in shape]
-        elif self.mixed:
+        if self.mixed:
             transfers = [self._transfers(data, r, f"rank{i}.transfers") for i in range(self.n)]
             registered = [data.draw(st.sampled_from([True, True, False]), label=f"rank{i}.registered")
                           for i in range(self.n)]
@@ -206,6 +229,9 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         self.state = after
         if not isinstance(got, tp.PhaseReport):
             self.fail(f"{op} returned a {type(got).__name__}, not a PhaseReport")
+        if Capability.SLOT_RELEASE_PATHS not in self.caps:  # who released a slot is not observable: released or not
+            want = want.model_copy(update={"commits": tuple(_released(c) for c in want.commits)})
+            got = got.model_copy(update={"commits": tuple(_released(c) for c in got.commits)})
         if got.compared() != want.compared():
             self.fail(f"{op}: {_report_difference(got, want)}")
         if after.phase is Phase.MISMATCHED:
@@ -215,6 +241,8 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             commit = next(r.commit for r in after.ranks if r.proceeds)
             if commit is not None:
                 self.path = tp.path_after(commit)
+            self.pending = None
+        elif after.phase is Phase.REVOKED:
             self.pending = None
         elif after.phase is Phase.WAITING:
             self.pending = (after.config.request_pages, tuple(r.progress for r in after.ranks))
@@ -226,17 +254,19 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             tp.check_hit_counts(state)
         except InvariantViolation as err:
             self.fail(f"the {state.config.variant.value} protocol breaks {err}{seen}\n  known finding: "
-                      f"{_finding(err, state.config.variant)}")
+                      f"{_finding(err, state)}")
 
     # ------------------------------------------------------------ rules: the five operations of a check
 
     @operation(when=lambda self: self._idle(), data=st.data())
     def sync_prefetch_hit_query(self, data: Any) -> None:
         """Start a check (the request, every rank's progress) and sync the storage hits."""
+        waiting = self.state if self.pending is not None else None
         r, ranks = self._draw_check(data)
         config = self.config.check_config(r, self.path)
-        described = f"R={r}: " + "; ".join(f"rank {i}: {_progress_text(p)}" for i, p in enumerate(ranks))
-        out = self.call("initial_state", described, lambda: (tp.initial_state(config, ranks), None),
+        described = ("continued, " if waiting else "") + f"R={r}: " + "; ".join(
+            f"rank {i}: {_progress_text(p)}" for i, p in enumerate(ranks))
+        out = self.call("initial_state", described, lambda: (tp.initial_state(config, ranks, continues=waiting), None),
                         lambda: self.impl.initial_state(r, ranks))
         if out is None:
             return
@@ -297,12 +327,21 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         if state is None:
             return self.path, (0, 0)
         rank = state.ranks[i]
-        progress = rank.progress
-        holding = progress.registered and not (state.phase is Phase.COMMITTED and rank.proceeds)
-        held = (state.config.request_pages, tp.window_pages(state.config, progress)) if holding else (0, 0)
+        holding = state.phase is not Phase.REVOKED and not (state.phase is Phase.COMMITTED and rank.proceeds)
+        held = (rank.staged or 0, rank.window or 0) if holding else (0, 0)
         if state.phase is Phase.COMMITTED and rank.commit is not None:
             return tp.path_after(rank.commit), held
         return tuple(state.config.existing), held
+
+
+#: who releases a slot, as an implementation without ``Capability.SLOT_RELEASE_PATHS`` reports it
+_RELEASED = {tp.SlotOwner.RELEASE_QUEUE: tp.SlotOwner.FREED, tp.SlotOwner.IO_THREAD: tp.SlotOwner.FREED}
+
+
+def _released(commit: tp.RankCommit) -> tp.RankCommit:
+    """``commit`` with every released slot ``FREED``, whoever releases it (the tree's and the held ones stay)."""
+    return commit.model_copy(update={k: tuple(_RELEASED.get(o, o) for o in getattr(commit, k))
+                                     for k in ("full_slots", "swa_slots")})
 
 
 def _progress_text(p: tp.RankProgress) -> str:
@@ -316,6 +355,8 @@ def _progress_text(p: tp.RankProgress) -> str:
         parts.append(f"swa missing {list(p.swa_missing)}")
     if p.mamba_missing:
         parts.append("mamba missing")
+    if p.host_free_pages is not None:
+        parts.append(f"{p.host_free_pages} host pages free")
     return ", ".join(parts)
 
 

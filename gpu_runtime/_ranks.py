@@ -9,8 +9,8 @@ What a multi-rank runtime (``kvproof.gpu_runtime.tp_prefetch``) or an adapter of
 * **the process group**: gloo on loopback (``GLOO_SOCKET_IFNAME=lo``), or NCCL when at least ``N`` CUDA devices are
   present. Rank 0 opens a ``TCPStore`` on port 0 (the kernel picks a free port, no race) and the parent hands the
   port to the other ranks. Every collective has the group's timeout (``collective_timeout``);
-* **the collectives, observed**: inside a command, every ``torch.distributed.all_reduce`` a rank calls is
-  reported to the parent *before* it runs (its op and values, named by the worker through :func:`naming`), and
+* **the collectives, observed**: inside a command, every ``torch.distributed.all_reduce`` a rank's main thread calls
+  is reported to the parent *before* it runs (its op and values, named by the worker through :func:`naming`), and
   its result or error after. A rank that hangs in a collective is still described: its call was reported first;
 * **bounded**: the parent waits at most ``collective_timeout + grace`` per collective a command can make (it never
   blocks forever). A rank that errs, hangs past the bound or dies makes the group *broken*: it is torn down at
@@ -86,7 +86,8 @@ class RankReply:
 
 _conn: Any = None  # the rank's connection to the parent
 _device = "cpu"  # where the rank's collective tensors live: "cpu" on gloo, "cuda:<rank>" on NCCL
-_naming: list[tuple[str, tuple[str, ...] | None]] = []
+#: the names (and layouts, and projections) the worker gives the all-reduces it makes, innermost last
+_naming: list[tuple[str, tuple[str, ...] | None, Callable[[tuple[int, ...]], tuple[int, ...]] | None]] = []
 _real_all_reduce: Callable[..., Any] | None = None
 
 
@@ -96,9 +97,12 @@ def collective_device() -> str:
 
 
 @contextlib.contextmanager
-def naming(name: str, layout: Sequence[str] | None = None) -> Iterator[None]:
-    """Name the all-reduces a worker makes inside the block (the reference's op name and slot names)."""
-    _naming.append((name, None if layout is None else tuple(layout)))
+def naming(name: str, layout: Sequence[str] | None = None,
+           project: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None) -> Iterator[None]:
+    """Name the all-reduces a worker makes inside the block (the reference's op name and slot names; a name starting
+    with ``_`` is internal: reported, never compared). ``project`` maps the values as passed (and the result) to
+    what is reported: an adapter of a real engine reports its tensors in the reference's layout."""
+    _naming.append((name, None if layout is None else tuple(layout), project))
     try:
         yield
     finally:
@@ -122,8 +126,11 @@ def _observed_all_reduce(tensor: Any, op: Any = None, group: Any = None, async_o
     if real is None:  # pragma: no cover - installed together
         raise RuntimeError("the observed all_reduce is not installed")
     op = dist.ReduceOp.SUM if op is None else op
-    name, layout = _naming[-1] if _naming else ("all_reduce", None)
-    values = tuple(int(v) for v in tensor.reshape(-1).tolist())
+    if threading.current_thread() is not threading.main_thread():  # a real engine's own background thread (SGLang's
+        return real(tensor, op=op, group=group, async_op=async_op)  # consensus checker): not the command's exchange
+    name, layout, project = _naming[-1] if _naming else ("all_reduce", None, None)
+    shown = project or (lambda v: v)
+    values = shown(tuple(int(v) for v in tensor.reshape(-1).tolist()))
     if layout is not None and len(layout) != len(values):
         layout = None
     _conn.send(("calling", CallRecord(name, _op_name(op), values, layout)))
@@ -136,7 +143,7 @@ def _observed_all_reduce(tensor: Any, op: Any = None, group: Any = None, async_o
         _conn.send(("called", None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
                     time.monotonic() - start))
         raise
-    _conn.send(("called", tuple(int(v) for v in tensor.reshape(-1).tolist()), None, time.monotonic() - start))
+    _conn.send(("called", shown(tuple(int(v) for v in tensor.reshape(-1).tolist())), None, time.monotonic() - start))
     return out
 
 
@@ -317,12 +324,12 @@ class RankGroup:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
     def command(self, method: str, args: Sequence[tuple[Any, ...]] | None = None, *,
-                collectives: int = 2) -> list[RankReply]:
+                collectives: int = 2, seconds: float = 0.0) -> list[RankReply]:
         """Run ``worker.method(*args[rank])`` on every rank at once; each rank's reply, within a bounded time.
 
         ``collectives``: how many collectives the command may make (the bound is that many collective timeouts
-        plus :data:`GRACE_S`). A rank that errs, hangs or dies breaks the group: it is torn down before this
-        returns, and ``broken`` says why.
+        plus :data:`GRACE_S`, plus ``seconds`` for work that is not a collective: a real engine's imports). A rank
+        that errs, hangs or dies breaks the group: it is torn down before this returns, and ``broken`` says why.
         """
         if self.broken:
             raise RankGroupError(f"the rank group is broken ({self.broken}); build a new one")
@@ -335,7 +342,7 @@ class RankGroup:
             except (OSError, BrokenPipeError) as err:
                 self._break(f"rank {rank} is gone ({err})")
                 raise RankGroupError(self.broken) from err
-        bound = max(1, collectives) * self.collective_timeout + GRACE_S
+        bound = max(1, collectives) * self.collective_timeout + GRACE_S + seconds
         deadline = time.monotonic() + bound
         replies = [RankReply(rank, "pending") for rank in range(self.world_size)]
         pending: dict[Connection, int] = {conn: rank for rank, conn in enumerate(self._conns)}
@@ -419,14 +426,15 @@ class RankGroup:
 # ---------------------------------------------------------------- one warm group per world size
 
 _GROUPS: set[RankGroup] = set()
-_POOL: dict[tuple[int, float], RankGroup] = {}
+_POOL: dict[tuple[int, float, str], RankGroup] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def acquire(world_size: int, collective_timeout: float) -> RankGroup:
+def acquire(world_size: int, collective_timeout: float, purpose: str = "") -> RankGroup:
     """A started group of ``world_size`` ranks, reused across calls while it is healthy (starting one costs
-    seconds: every rank imports torch and joins the group); a broken or closed one is replaced."""
-    key = (world_size, collective_timeout)
+    seconds: every rank imports torch and joins the group); a broken or closed one is replaced. Workers of another
+    ``purpose`` (an adapter that imports a real engine into its ranks) get groups of their own."""
+    key = (world_size, collective_timeout, purpose)
     with _POOL_LOCK:
         group = _POOL.get(key)
         if group is not None and group.owner != os.getpid():  # inherited through fork: the parent's to use

@@ -14,7 +14,9 @@ mismatch and at exit.
 * two host pools (Full and SWA): free lists of host page ids (int64 tensors) and a data tensor per pool holding,
   for every slot, the token position whose KV it holds (-1: none). The IO thread writes them; the commit reads the
   SWA data back to record which positions an attached slice holds (T3 is checked on data, not on arithmetic);
-* the prefetch in progress: its Full buffer (``R`` host pages) and SWA window buffer, its IO result, its decision.
+* the prefetch in progress: its Full buffer and SWA window buffer (``R`` host pages and the window, allocated at the
+  start before 0.5.23; in 0.5.23 staged after the hit query: ``min(hit, host free)`` Full pages and ``min(window,
+  hit)`` SWA pages, or nothing when the synced hit is 0 and the prefetch is revoked), its IO result, its decision.
 
 **The collectives** are built as upstream builds them: an int64 tensor of the packed values (layouts in
 ``kvproof.reference.tp_prefetch``'s docstring), ``torch.distributed.all_reduce`` with ``ReduceOp.MIN`` (or
@@ -30,10 +32,15 @@ different shapes, a :class:`~kvproof.reference.tp_prefetch.CollectiveMismatch` n
 group's timeout, which is then the verdict's time). A mismatch breaks the group: it is torn down, and the runtime
 refuses further operations (the suite builds a new one).
 
+A check that ended waiting is continued by the next ``initial_state``: the buffers and the synced hit are kept and
+the hit query is not made again. In 0.5.23 the ACKs are reduced only once every rank's IO thread finished (the
+ranks learn it from ``_ack_drain``): a check with an IO thread in flight reduces nothing.
+
 [Differs from SGLang:] one prefetch at a time; the IO thread's effect is applied in ``page_transfer`` from the
 rank's progress snapshot (no thread); the release queue and the IO thread's releases are drained at the end of
-``handle_prefetch_result`` (upstream: the scheduler's next step, the IO thread's end); the #27264-era packed MIN runs
-for any world size.
+``handle_prefetch_result`` (upstream: the scheduler's next step, the IO thread's end); a rank's free host pages at
+hit time (``host_free_pages``, F6) are a number the progress states, not another request's buffers; the #27264-era
+packed MIN runs for any world size.
 """
 
 from __future__ import annotations
@@ -134,6 +141,7 @@ class _Prefetch:
     full_buf: Tensor
     swa_buf: Tensor
     synced_hit: int = 0
+    queried: bool = False  # the hit query ran (a continued check does not make it again)
     completed: int = 0
     reached: bool = False
     keys: dict[PoolName, int] = field(default_factory=dict)
@@ -170,6 +178,7 @@ class TPPrefetchRank:
         return self.g.variant
 
     def _window_pages(self, request_pages: int, progress: RankProgress) -> int:
+        """The window keys (``prepare_prefetch``): the buffer before 0.5.23; 0.5.23 stages ``min(keys, hit)``."""
         if PoolName.SWA not in progress.transfers:
             return 0
         if self.variant.protocol_0523 and request_pages < self.g.sw_pages:
@@ -208,14 +217,17 @@ class TPPrefetchRank:
         n = self._window_pages(request_pages, progress)
         require(all(i < n for i in progress.swa_missing), op, "progress",
                 f"swa_missing {list(progress.swa_missing)} outside the {n}-page window buffer")
-        if self.job is not None:
-            require(self.job.request_pages == request_pages and self.job.progress.transfers == progress.transfers
-                    and self.job.progress.registered == progress.registered, op, "request_pages",
-                    "a waiting prefetch continues with the same request, transfer set and registration")
-            self.job = _Prefetch(request_pages, progress, self.job.full_buf, self.job.swa_buf)
+        require(progress.host_free_pages is None or self.variant.protocol_0523, op, "progress",
+                "host_free_pages models 0.5.23's hit-time staging")
+        job, empty = self.job, torch.empty(0, dtype=_I64)
+        if job is not None:
+            same = ("storage_hit", "policy", "transfers", "registered", "host_free_pages")
+            require(job.request_pages == request_pages and all(getattr(job.progress, k) == getattr(progress, k)
+                                                               for k in same), op, "progress",
+                    f"a waiting prefetch continues with the same request and the same {', '.join(same)}")
+            self.job = _Prefetch(request_pages, progress, job.full_buf, job.swa_buf, job.synced_hit, job.queried)
             return
-        if not progress.registered:
-            empty = torch.empty(0, dtype=_I64)
+        if not progress.registered or self.variant.protocol_0523:  # 0.5.23 stages at hit time
             self.job = _Prefetch(request_pages, progress, empty, empty)
             return
         self.job = _Prefetch(request_pages, progress, self.full.alloc(request_pages, op), self.swa.alloc(n, op))
@@ -235,19 +247,34 @@ class TPPrefetchRank:
         values += [hit if pool is PoolName.KV or pool in p.transfers else NO_POOL_VERDICT for pool in POOL_ORDER]
         return values, names + [pool.value for pool in POOL_ORDER]
 
-    def sync_prefetch_hit_query(self) -> int:
-        job = self._job("sync_prefetch_hit_query")
+    def sync_prefetch_hit_query(self) -> dict[str, Any]:
+        """The storage-hit MIN (once per prefetch: a continued check keeps it); 0.5.23 then stages the hit's Full
+        pages (as many as the rank has free) and ``min(window, hit)`` SWA pages, or revokes a hit of 0 pages."""
+        op = "sync_prefetch_hit_query"
+        job = self._job(op)
+        if job.queried:
+            return {"synced_hit": job.synced_hit, "revoked": False}
+        job.queried = True
         packed = self.pack_hit_query(job)
         if packed is None:
             job.synced_hit = 0
-            return 0
-        result = self.all_reduce("sync_prefetch_hit_query", ReduceOp.MIN, *packed)
+            return {"synced_hit": 0, "revoked": False}
+        result = self.all_reduce(op, ReduceOp.MIN, *packed)
         if self.variant.protocol_0523 and job.progress.transfers:
             flags = result[:job.request_pages + 1]
             job.synced_hit = max(i for i, ok in enumerate(flags) if ok)
         else:
             job.synced_hit = result[0]
-        return job.synced_hit
+        if not self.variant.protocol_0523:
+            return {"synced_hit": job.synced_hit, "revoked": False}
+        if job.synced_hit == 0:  # below the prefetch threshold: revoked before any IO, nothing staged
+            self.job = None
+            return {"synced_hit": 0, "revoked": True}
+        free = job.progress.host_free_pages
+        staged = job.synced_hit if free is None else min(job.synced_hit, free)
+        window = min(self._window_pages(job.request_pages, job.progress), job.synced_hit)
+        job.full_buf, job.swa_buf = self.full.alloc(staged, op), self.swa.alloc(window, op)
+        return {"synced_hit": job.synced_hit, "revoked": False}
 
     def page_transfer(self) -> dict[str, Any]:
         """The IO thread against the synced hit: Full pages up to it at the rank's pace, written into the Full
@@ -255,12 +282,17 @@ class TPPrefetchRank:
         buffer, except the pages whose fetch fails)."""
         job = self._job("page_transfer")
         p, prog = self.p, job.progress
-        job.completed = min(prog.full_pages, job.synced_hit)
-        job.reached = prog.registered and job.completed == job.synced_hit
+        target = self._target(job)
+        job.completed = min(prog.full_pages, target)
+        job.reached = prog.registered and job.completed == target
         n = job.swa_buf.numel()
-        keys = {PoolName.SWA: min(n, job.synced_hit) if job.reached else n,
-                PoolName.MAMBA: min(1, job.synced_hit) if job.reached else 1}
+        keys = {PoolName.SWA: min(n, target) if job.reached else n,
+                PoolName.MAMBA: min(1, target) if job.reached else 1}
         job.keys = {pool: k for pool, k in keys.items() if pool in prog.transfers}
+        k = job.keys.get(PoolName.SWA)
+        if self.variant.protocol_0523 and job.reached and k is not None and k < n:  # _sync_trailing_keys: the
+            self.swa.release(job.swa_buf[k:])  # keys re-aligned to a shorter staged range: the buffer's tail goes
+            job.swa_buf = job.swa_buf[:k].clone()
         job.finished = prog.io_done or (job.reached and not prog.transfers)
         job.hits = dict.fromkeys(prog.transfers, 0)
         job.in_flight = ()
@@ -271,7 +303,7 @@ class TPPrefetchRank:
             ok = [i not in prog.swa_missing for i in range(k)]
             landed = torch.tensor([i for i in range(k) if ok[i]], dtype=_I64)
             if landed.numel():
-                self.swa.data[job.swa_buf[landed]] = (job.synced_hit - k + landed) * p
+                self.swa.data[job.swa_buf[landed]] = (target - k + landed) * p
             if prog.io_done:
                 if PoolName.SWA in job.hits:
                     job.hits[PoolName.SWA] = self.count_hits(ok)
@@ -280,6 +312,10 @@ class TPPrefetchRank:
             else:
                 job.in_flight = tuple(i for i in range(k) if ok[i])
         return {"completed": job.completed, "hits": {k.value: v for k, v in job.hits.items()}}
+
+    def _target(self, job: _Prefetch) -> int:
+        """The Full pages the IO thread fetches: the synced hit, or fewer where 0.5.23 staged fewer (F6)."""
+        return min(job.synced_hit, job.full_buf.numel()) if self.variant.protocol_0523 else job.synced_hit
 
     def _can(self, job: _Prefetch) -> bool:
         policy = job.progress.policy
@@ -338,11 +374,14 @@ class TPPrefetchRank:
             job.min_completed = result[0]
             job.synced_hits = {pool: result[1 + i] for i, pool in enumerate(order)}
             return {"min_completed": job.min_completed}
+        job.synced_hits, job.transfers_done = dict.fromkeys(prog.transfers, 0), False
         if not prog.registered:
             return {}
+        if not job.all_finished:  # an IO thread in flight emitted no ACK and the drain is rank-min: nothing reduced
+            job.min_completed = 0
+            return {"min_completed": 0}
         job.min_completed = self.all_reduce("reduce_prefetch_ack", ReduceOp.MIN, [job.completed], ["completed"])[0]
-        job.synced_hits, job.transfers_done = dict.fromkeys(prog.transfers, 0), False
-        if prog.transfers and job.all_finished:  # every IO thread finished: the pool ACK is emitted and reduced
+        if prog.transfers:  # every IO thread finished: the pool ACK is emitted and reduced
             result = self.all_reduce("reduce_prefetch_ack", ReduceOp.MIN,
                                      [job.hits.get(pool, 0) for pool in POOL_ORDER],
                                      [pool.value for pool in POOL_ORDER])
@@ -435,15 +474,15 @@ class TPPrefetchRank:
             nodes = self._tree_nodes()
             if not job.progress.registered:  # it never had a prefetch to keep
                 self.job = None
-            n_full, n_swa = (job.request_pages, job.swa_buf.numel()) if job.progress.registered else (0, 0)
+            n_full, n_swa = job.full_buf.numel(), job.swa_buf.numel()
             return RankCommit(nodes=nodes, prefix_len=0, total_len=0, attached=False, discarded=False,
                               insert_split=None, swa_split=None, full_slots=(SlotOwner.HELD,) * n_full,
                               swa_slots=(SlotOwner.HELD,) * n_swa, written_after_release=())
-        p, r_pages, m = self.p, job.request_pages, job.min_completed
-        hit, prog, v = job.synced_hit, job.progress, self.variant
+        p, r_pages, m = self.p, job.full_buf.numel(), job.min_completed
+        goal, prog, v = self._target(job), job.progress, self.variant
         n = job.swa_buf.numel()
         if v.protocol_0523:
-            ok = m == hit and all(job.synced_hits.get(pool, 0) == job.keys[pool] for pool in prog.transfers)
+            ok = m == goal and all(job.synced_hits.get(pool, 0) == job.keys[pool] for pool in prog.transfers)
             if prog.transfers and not ok:
                 scheduler = job.transfers_done or v is TPPrefetchVariant.BEST_EFFORT_RELEASE
                 swa_owner = SlotOwner.RELEASE_QUEUE if scheduler else SlotOwner.IO_THREAD
@@ -552,10 +591,14 @@ def _failure_text(replies: Sequence[_ranks.RankReply], seconds: float) -> str:
 class TPPrefetchRuntime:
     """``world_size`` ranks over a real process group, one :class:`TPPrefetchRank` each (module docstring)."""
 
-    capabilities: frozenset[Capability] = frozenset()
+    capabilities: frozenset[Capability] = frozenset({Capability.SLOT_RELEASE_PATHS})
     components = frozenset({Component.TP_PREFETCH})
     #: the per-rank class the rank processes build (``module:Class``; mutants name their own)
     worker = "kvproof.gpu_runtime.tp_prefetch:TPPrefetchRank"
+    #: warm rank groups are shared by runtimes of the same purpose (an adapter importing a real engine: its own)
+    purpose = ""
+    #: seconds each rank may take to build its worker, beyond its collectives (a real engine's imports)
+    start_seconds = 0.0
 
     def __init__(self, group: TPPrefetchGroup, collective_timeout: float | None = None) -> None:
         self.config = group
@@ -563,18 +606,24 @@ class TPPrefetchRuntime:
         self.collective_timeout = COLLECTIVE_TIMEOUT_S if collective_timeout is None else collective_timeout
         self.device = torch.device("cpu")
         self.broken = ""
-        self.group = _ranks.acquire(group.world_size, self.collective_timeout)
-        self._plain("__init__", [(self.worker, {"group": group})] * self.world_size)
+        self.group = _ranks.acquire(group.world_size, self.collective_timeout, self.purpose)
+        self._plain("__init__", [(self.worker, {"group": group, **self.worker_options()})] * self.world_size,
+                    seconds=self.start_seconds)
 
-    def _command(self, method: str, args: Sequence[tuple[Any, ...]] | None = None) -> list[_ranks.RankReply]:
+    def worker_options(self) -> dict[str, Any]:
+        """Keyword arguments of the worker's constructor besides the group (none here; an adapter's options)."""
+        return {}
+
+    def _command(self, method: str, args: Sequence[tuple[Any, ...]] | None = None,
+                 seconds: float = 0.0) -> list[_ranks.RankReply]:
         """``method`` on every rank (bounded); refused once a mismatch took the group down."""
         if self.broken:
             raise InvalidOperation(method, "state", f"the group is gone after a failed collective ({self.broken})")
-        return self.group.command(method, args, collectives=3)
+        return self.group.command(method, args, collectives=3, seconds=seconds)
 
-    def _plain(self, method: str, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+    def _plain(self, method: str, args: Sequence[tuple[Any, ...]] | None = None, seconds: float = 0.0) -> list[Any]:
         """A command without compared collectives: every rank's value, or the first rank's error raised."""
-        replies = self._command(method, args)
+        replies = self._command(method, args, seconds)
         bad = [r for r in replies if r.status != "ok"]
         if bad:
             self.broken = self.group.broken
@@ -600,6 +649,8 @@ class TPPrefetchRuntime:
         if op == "handle_prefetch_result":
             return PhaseReport(op=op, phase=phase, collectives=tuple(calls), commits=tuple(r.value for r in replies),
                                seconds=seconds)
+        if op == "sync_prefetch_hit_query" and any(r.value["revoked"] for r in replies):
+            phase = Phase.REVOKED  # the synced hit is the same on every rank: all of them revoked
         return PhaseReport(op=op, phase=phase, collectives=tuple(calls), seconds=seconds)
 
     # ------------------------------------------------------------ the contract

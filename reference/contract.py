@@ -73,6 +73,9 @@ class Capability(enum.StrEnum):
     REGISTER_MAPPING = "register_mapping"  # a fresh mapping (all pages free) registered with the KV pool
     FORWARD = "forward"  # a forward pass writing every layer's KV through the (cached) translation
     GRAPH_CAPTURE = "graph_capture"  # capture run_once on static buffers; replay it
+    # tp_prefetch: a commit's slot owners say who releases each host slot (freed at once, the release queue, the IO
+    # thread); without it the harness compares them as "released" (an engine whose releases all end in one drain)
+    SLOT_RELEASE_PATHS = "slot_release_paths"
 
 
 @runtime_checkable

@@ -158,9 +158,10 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
         options=(Option("variant", ("upstream_0523", "pre_27264", "upstream_27264", "sum_hits", "best_effort_release"),
                         "upstream_0523", "tp_prefetch: the cross-rank protocol (pre_27264 attaches different windows: "
                         "S10; sum_hits: R5-c; best_effort_release: R5-d)"),
-                 Option("ranks", ("agree", "mixed"), "agree",
+                 Option("ranks", ("agree", "mixed", "host_pressure"), "agree",
                         "tp_prefetch: whether ranks share their termination policy, transfer set and registration "
-                        "(mixed: T5's mismatched collectives, T1)")),
+                        "(mixed: T5's mismatched collectives, T1) and, under 0.5.23, their free host memory at hit "
+                        "time (host_pressure: only that differs: F6)")),
     ),
 )})
 

@@ -11,9 +11,10 @@ stops it), whether its IO thread has finished (``io_done``: all Full pages and, 
 its sidecar transfers), whether its deadline passed, its termination policy (``best_effort`` /
 ``wait_complete`` / ``timeout``), its transfer set (the sidecar pools it built transfers for,
 ``comp_xfers``: SWA and/or Mamba, in component order), which window-buffer pages' SWA fetch fails
-(``swa_missing``, buffer page indices: the *positions*), whether its Mamba fetch fails, and whether
+(``swa_missing``, buffer page indices: the *positions*), whether its Mamba fetch fails, whether
 it registered the prefetch at all (``registered=False``: its build returned ``[]`` and aborted,
-§6.2, so it reaches no collective).
+§6.2, so it reaches no collective), and, in 0.5.23, how many Full host pages it has free when the
+synced hit is staged (``host_free_pages``; ``None``: enough).
 
 **The operations**, one system step each, named as in SGLang (leading underscores dropped); the
 pure per-rank functions they are made of are what a multi-process runtime calls on each rank:
@@ -82,11 +83,18 @@ layouts (slot names; values are pages, or 0/1 flags):
 * ``upstream_0523`` (upstream_0523_vllm_fuzz.md §2.1/§2.2): the reductions live in the cache controller
   (hit query with flags and pool verdicts, progressive ACKs, a pool-hit ACK packed over ``PoolName``);
   hits count the leading run (#31443); all-or-nothing for the whole prefetch
-  (``_check_hybrid_prefetch_result``: ``completed == hit`` and every sidecar count equals its keys, else
-  nothing is inserted and every slot is released); sidecar slots are released by the scheduler only when
-  ``pool_transfers_done``, else by the IO thread (#31668's ownership bit); the termination vote is a MAX
-  of deadlines for ``timeout`` only; a root-anchored request shorter than the window prefetches a
-  sub-window (#34798);
+  (``_check_hybrid_prefetch_result``: ``completed == `` the rank's staged length and every sidecar count
+  equals its keys, else nothing is inserted and every slot is released); sidecar slots are released by the
+  scheduler only when ``pool_transfers_done``, else by the IO thread (#31668's ownership bit); the
+  termination vote is a MAX of deadlines for ``timeout`` only; a root-anchored request shorter than the
+  window prefetches a sub-window (#34798). Staging happens at hit time (``_try_alloc_storage_hit``, URC:3109):
+  a synced hit below the prefetch threshold (one page here) revokes the prefetch on every rank before any IO
+  (phase ``REVOKED``: no transfer, no ACK, no commit); otherwise each rank stages ``min(hit, host_free_pages)``
+  Full pages (``allow_partial``: a rank short of host memory truncates its own ``hash_value`` *after* the
+  sync, F6) and an SWA window buffer of ``min(window keys, hit)`` pages (``_alloc_prefetch_aux_staging``), so
+  at the root a hit shorter than the window gets a whole (short) window that the commit attaches. ACKs are
+  emitted when a rank's IO thread finishes its batch (one batch here) and reduced rank-min, so a check at which
+  some rank's IO is still in flight reduces no ACK (the scheduler sees 0 completed);
 * ``sum_hits`` (R5-c): ``upstream_0523`` counting hits as the sum of successes. For SWA (all-or-nothing)
   it decides the same trees; the synced count is no longer a prefix every rank fetched;
 * ``best_effort_release`` (R5-d): ``upstream_0523`` whose discard path releases the sidecar buffer even
@@ -113,8 +121,9 @@ each attached to exactly one node or released (§6.4).
 [Differs from SGLang:]
 
 * one check of one prefetch: a check that says "wait" ends the run (phase ``WAITING``); the caller runs it
-  again with later progress. The progress is a snapshot at check time; ``io_done`` says whether the IO
-  thread finished, not how far an in-flight write got;
+  again with later progress (:func:`initial_state` with ``continues``: the storage hit was synced once and the
+  buffers are kept, so the continued check makes no hit-query collective). The progress is a snapshot at
+  check time; ``io_done`` says whether the IO thread finished, not how far an in-flight write got;
 * positions are relative to the anchor and whole pages (keys are page-aligned); the host tree is the path
   of nodes along the key below the anchor (:attr:`TPPrefetchConfig.existing`, the same on every rank
   before the prefetch, each with a Full host value); side branches, LRU lists, lock refs and the device
@@ -129,7 +138,11 @@ each attached to exactly one node or released (§6.4).
   after the termination vote here (0.5.23 reduces them in its sync thread as the IO goes: its vote reads
   none of them, so the order changes nothing the model observes); PP is 1;
 * the rank-local shrink of ``prefetch_length`` (§6.2) is expressed only through that rank's transfer set
-  and storage hit: every rank holds ``request_pages`` Full host pages;
+  and storage hit before 0.5.23 (every rank holds ``request_pages`` Full host pages from the start), and
+  through ``host_free_pages`` in 0.5.23 (F6). A rank with no Full host page free at hit time revokes the
+  prefetch alone (F7: its ACKs then pair with the next request's on the other ranks); that needs ACK queues
+  across prefetches and is not modelled (``host_free_pages >= 1``), nor is an SWA staging failure;
+* the prefetch threshold is one page (0.5.23's default is 256 tokens): a synced hit of 0 pages revokes;
 * the #27264-era packed MIN runs for any world size (upstream skips it when ``tp_world_size == 1``; a
   reduce over one rank is the identity).
 """
@@ -193,7 +206,10 @@ __all__ = [
     "rank_handle_prefetch_result",
     "rank_page_transfer",
     "rank_proceeds",
+    "rank_target",
     "reduce_prefetch_ack",
+    "staged_pages",
+    "swa_buffer_pages",
     "sync_prefetch_hit_query",
     "tree_shape",
     "unpack_hit_query",
@@ -257,7 +273,7 @@ class ReduceOp(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and 
 
 
 class Phase(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
-    """Where one check of the prefetch stands; ``WAITING``, ``MISMATCHED`` and ``COMMITTED`` end it."""
+    """Where one check of the prefetch stands; ``WAITING``, ``MISMATCHED``, ``REVOKED`` and ``COMMITTED`` end it."""
 
     STARTED = "started"
     QUERIED = "queried"  # sync_prefetch_hit_query done
@@ -267,6 +283,7 @@ class Phase(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-s
     COMMITTED = "committed"  # handle_prefetch_result done
     WAITING = "waiting"  # no rank may terminate yet
     MISMATCHED = "mismatched"  # a collective's calls differ across ranks (T5)
+    REVOKED = "revoked"  # 0.5.23: the synced hit is below the prefetch threshold: revoked on every rank, no IO
 
 
 class SlotOwner(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings (pytest ids, reports) from Class.MEMBER to the value
@@ -338,6 +355,7 @@ class RankProgress(ConfigModel):
     swa_missing: tuple[int, ...] = ()  # window-buffer pages whose SWA fetch fails
     mamba_missing: bool = False
     registered: bool = True
+    host_free_pages: int | None = Field(default=None, ge=1, description="0.5.23: Full host pages free at hit time")
 
     @model_validator(mode="after")
     def _transfers(self) -> RankProgress:
@@ -353,13 +371,35 @@ class RankProgress(ConfigModel):
 
 
 def window_pages(config: TPPrefetchConfig, progress: RankProgress) -> int:
-    """Pages of the rank's SWA window buffer (0 without an SWA transfer): ``ceil(W / P)`` (§6.2); 0.5.23 at the root
-    with a request shorter than the window: the request (``prepare_prefetch``, #34798)."""
+    """The rank's SWA window keys (0 without an SWA transfer): ``ceil(W / P)`` (§6.2); 0.5.23 at the root with a
+    request shorter than the window: the request (``prepare_prefetch``, #34798). Before 0.5.23 this is also its
+    window buffer, allocated at the start; 0.5.23 stages :func:`swa_buffer_pages` at hit time."""
     if PoolName.SWA not in progress.transfers:
         return 0
     if config.variant.protocol_0523 and config.request_pages < config.sw_pages:
         return config.request_pages
     return config.sw_pages
+
+
+def staged_pages(config: TPPrefetchConfig, progress: RankProgress, synced_hit: int) -> int:
+    """The Full host pages the rank stages for the prefetch, its expected length: ``request_pages`` before 0.5.23
+    (allocated at the start, §6.1); 0.5.23 ``min(synced hit, host_free_pages)`` at hit time (``allocate_storage_hit``
+    with ``allow_partial``, after the sync: F6 when a rank is short). 0 for a rank that never registered."""
+    if not progress.registered:
+        return 0
+    if not config.variant.protocol_0523:
+        return config.request_pages
+    free = progress.host_free_pages
+    return synced_hit if free is None else min(synced_hit, free)
+
+
+def swa_buffer_pages(config: TPPrefetchConfig, progress: RankProgress, synced_hit: int) -> int:
+    """The rank's SWA window-buffer pages: :func:`window_pages` before 0.5.23; 0.5.23 ``min(window keys, synced
+    hit)`` at hit time (``_alloc_prefetch_aux_staging``, URC:2914). 0 for a rank that never registered."""
+    if not progress.registered:
+        return 0
+    n = window_pages(config, progress)
+    return min(n, synced_hit) if config.variant.protocol_0523 else n
 
 
 # ---------------------------------------------------------------- the collective
@@ -518,6 +558,8 @@ class RankState(BaseModel):
 
     progress: RankProgress
     synced_hit: int | None = None  # pages
+    staged: int | None = None  # Full host pages staged for the prefetch (staged_pages); None: not yet (0.5.23)
+    window: int | None = None  # SWA window-buffer pages (swa_buffer_pages); None: not yet (0.5.23)
     io: IOResult | None = None
     proceeds: bool | None = None
     min_completed: int | None = None  # pages: the completed count the insert uses
@@ -536,17 +578,41 @@ class PrefetchState(BaseModel):
     phase: Phase = Phase.STARTED
     collectives: tuple[CollectiveCall, ...] = ()
     mismatch: CollectiveMismatch | None = None
+    continued: bool = False  # a check of a prefetch an earlier check left waiting: the hit was synced then
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
 
-def initial_state(config: TPPrefetchConfig, ranks: Sequence[RankProgress]) -> PrefetchState:
-    """The check before any collective; :class:`InvalidOperation` for a progress that does not fit the config."""
+def initial_state(config: TPPrefetchConfig, ranks: Sequence[RankProgress], *,
+                  continues: PrefetchState | None = None) -> PrefetchState:
+    """The check before any collective; :class:`InvalidOperation` for a progress that does not fit the config.
+
+    ``continues``: the state of the check that ended waiting on this prefetch. The new check keeps what the hit query
+    decided then (every rank's synced hit, its staging, its window buffer: the storage is queried once per prefetch),
+    so each rank's request, storage hit, policy, transfer set, registration and host capacity must be the same; only
+    its pace moves on (loaded pages never fewer, a passed deadline stays passed, a finished IO thread stays as it
+    was).
+    """
     op = "initial_state"
     require(1 <= len(ranks) <= MAX_WORLD_SIZE, op, "ranks", f"{len(ranks)} ranks, outside 1..{MAX_WORLD_SIZE}")
     require(any(p.registered for p in ranks), op, "ranks", "no rank registered the prefetch: there is nothing to check")
+    if continues is not None:
+        require(continues.phase is Phase.WAITING, op, "continues",
+                f"only a check that ended waiting continues (it ended {continues.phase.value})")
+        require(continues.config == config and len(continues.ranks) == len(ranks), op, "continues",
+                "a continued check runs on the same request, host path and group")
+        for r, (before, p) in enumerate(zip(continues.ranks, ranks, strict=True)):
+            same = ("storage_hit", "policy", "transfers", "registered", "host_free_pages")
+            changed = [k for k in same if getattr(before.progress, k) != getattr(p, k)]
+            require(not changed, op, "ranks", f"rank {r}: a continued prefetch keeps its {', '.join(changed)}")
+            was = before.progress
+            require(not was.io_done or p == was, op, "ranks",
+                    f"rank {r}: its IO thread had finished, so its progress stays as it was")
+            require(p.full_pages >= was.full_pages and p.deadline_passed >= was.deadline_passed, op, "ranks",
+                    f"rank {r}: progress only moves on (loaded {was.full_pages} -> {p.full_pages} pages, deadline "
+                    f"passed {was.deadline_passed} -> {p.deadline_passed})")
     for r, p in enumerate(ranks):
         where = f"rank {r}: "
         require(p.storage_hit <= config.request_pages, op, "ranks",
@@ -565,7 +631,19 @@ def initial_state(config: TPPrefetchConfig, ranks: Sequence[RankProgress]) -> Pr
         n = window_pages(config, p)
         require(all(i < n for i in p.swa_missing), op, "ranks",
                 where + f"swa_missing {list(p.swa_missing)} outside its {n}-page window buffer")
-    return PrefetchState(config=config, ranks=tuple(RankState(progress=p) for p in ranks))
+        require(p.host_free_pages is None or config.variant.protocol_0523, op, "ranks",
+                where + "host_free_pages models 0.5.23's hit-time staging; before it every rank stages "
+                        "request_pages at the start")
+    if continues is not None:
+        kept = tuple(before.model_copy(update={"progress": p, "io": None, "proceeds": None, "min_completed": None,
+                                               "synced_hits": None, "transfers_done": False, "commit": None})
+                     for before, p in zip(continues.ranks, ranks, strict=True))
+        return PrefetchState(config=config, ranks=kept, continued=True)
+    if config.variant.protocol_0523:  # staged at hit time
+        return PrefetchState(config=config, ranks=tuple(RankState(progress=p) for p in ranks))
+    return PrefetchState(config=config, ranks=tuple(
+        RankState(progress=p, staged=staged_pages(config, p, 0), window=swa_buffer_pages(config, p, 0))
+        for p in ranks))
 
 
 # ---------------------------------------------------------------- 1. the storage-hit MIN
@@ -603,20 +681,32 @@ def unpack_hit_query(config: TPPrefetchConfig, progress: RankProgress, result: S
 
 
 def sync_prefetch_hit_query(state: PrefetchState) -> PrefetchState:
-    """Every registered rank's storage hit, MIN-reduced: the ranks load against one synced hit (§6.2, T1)."""
+    """Every registered rank's storage hit, MIN-reduced: the ranks load against one synced hit (§6.2, T1).
+
+    0.5.23 then stages at hit time (module docstring): a synced hit of 0 pages revokes the prefetch on every rank
+    (``REVOKED``); otherwise each rank stages :func:`staged_pages` and :func:`swa_buffer_pages`. A continued check
+    (:func:`initial_state` with ``continues``) keeps what the first check synced and staged: no collective.
+    """
     op = "sync_prefetch_hit_query"
     _phase(state, op, Phase.STARTED)
-    packed = [pack_hit_query(state.config, r.progress) for r in state.ranks]
+    c = state.config
+    if state.continued:
+        return state.model_copy(update={"phase": Phase.QUERIED})
+    packed = [pack_hit_query(c, r.progress) for r in state.ranks]
     call = all_reduce(op, packed)
     if isinstance(call, CollectiveMismatch):
         return state.model_copy(update={"phase": Phase.MISMATCHED, "mismatch": call})
-    if call is None:  # no rank registered the prefetch: nothing to sync, nothing fetched
-        ranks = tuple(r.model_copy(update={"synced_hit": 0}) for r in state.ranks)
-        return state.model_copy(update={"ranks": ranks, "phase": Phase.QUERIED})
-    ranks = tuple(r.model_copy(update={"synced_hit": unpack_hit_query(state.config, r.progress, call.result)})
-                  for r in state.ranks)
-    return state.model_copy(update={"ranks": ranks, "phase": Phase.QUERIED, "collectives": (*state.collectives,
-                                                                                            call)})
+    collectives = state.collectives if call is None else (*state.collectives, call)
+    # no rank calls it (none registered): nothing to sync, nothing fetched
+    hits = [0 if call is None else unpack_hit_query(c, r.progress, call.result) for r in state.ranks]
+    if c.variant.protocol_0523 and call is not None and all(h == 0 for h, r in zip(hits, state.ranks, strict=True)
+                                                             if r.progress.registered):
+        ranks = tuple(r.model_copy(update={"synced_hit": 0, "staged": 0, "window": 0}) for r in state.ranks)
+        return state.model_copy(update={"ranks": ranks, "phase": Phase.REVOKED, "collectives": collectives})
+    ranks = tuple(r.model_copy(update={"synced_hit": h, "staged": staged_pages(c, r.progress, h),
+                                       "window": swa_buffer_pages(c, r.progress, h)})
+                  for h, r in zip(hits, state.ranks, strict=True))
+    return state.model_copy(update={"ranks": ranks, "phase": Phase.QUERIED, "collectives": collectives})
 
 
 # ---------------------------------------------------------------- 2. the IO threads
@@ -630,14 +720,21 @@ def count_pool_hits(results: Sequence[bool], *, leading_run: bool) -> int:
     return sum(1 for ok in results if ok)
 
 
-def rank_page_transfer(config: TPPrefetchConfig, progress: RankProgress, synced_hit: int) -> IOResult:
-    """The rank's IO thread (§6.2): Full pages up to the synced hit at its pace; only if every Full page completed,
-    the sidecar transfers (SWA: the last ``min(n, hit)`` page hashes into the first buffer pages; Mamba: the
-    checkpoint at the hit). Their counts are recorded when it finishes; until then its SWA writes are in flight."""
-    completed = min(progress.full_pages, synced_hit)
-    reached = progress.registered and completed == synced_hit
-    n = window_pages(config, progress)
-    keys = {PoolName.SWA: min(n, synced_hit) if reached else n, PoolName.MAMBA: min(1, synced_hit) if reached else 1}
+def rank_target(rank: RankState, op: str) -> int:
+    """The Full pages the rank's IO thread fetches: the synced hit, or fewer where 0.5.23 staged fewer (F6)."""
+    return min(_synced(rank, op), _staged(rank, op))
+
+
+def rank_page_transfer(config: TPPrefetchConfig, rank: RankState) -> IOResult:
+    """The rank's IO thread (§6.2): Full pages up to its target (:func:`rank_target`) at its pace; only if every Full
+    page completed, the sidecar transfers (SWA: the last ``min(n, target)`` page hashes into the first of its ``n``
+    buffer pages; Mamba: the checkpoint at the target). Their counts are recorded when it finishes; until then its
+    SWA writes are in flight."""
+    progress, target = rank.progress, rank_target(rank, "page_transfer")
+    completed = min(progress.full_pages, target)
+    reached = progress.registered and completed == target
+    n = _window(rank, "page_transfer")
+    keys = {PoolName.SWA: min(n, target) if reached else n, PoolName.MAMBA: min(1, target) if reached else 1}
     keys = {p: k for p, k in keys.items() if p in progress.transfers}
     finished = progress.io_done or (reached and not progress.transfers)
     hits = dict.fromkeys(progress.transfers, 0)
@@ -658,12 +755,22 @@ def rank_page_transfer(config: TPPrefetchConfig, progress: RankProgress, synced_
 
 
 def page_transfer(state: PrefetchState) -> PrefetchState:
-    """Every rank's IO thread against the synced hit (:func:`rank_page_transfer`); no collective."""
+    """Every rank's IO thread against the synced hit (:func:`rank_page_transfer`); no collective.
+
+    0.5.23's IO thread re-aligns the SWA keys to its (truncated) hash range before the sidecar fetch and, when they
+    are fewer than the window buffer (a rank that staged fewer pages than the hit: F6), shrinks the buffer to them and
+    releases its tail at once (``_sync_trailing_keys``, HCC:1809): the rank's ``window`` becomes its keys.
+    """
     op = "page_transfer"
     _phase(state, op, Phase.QUERIED)
-    ranks = tuple(r.model_copy(update={"io": rank_page_transfer(state.config, r.progress, _synced(r, op))})
-                  for r in state.ranks)
-    return state.model_copy(update={"ranks": ranks, "phase": Phase.TRANSFERRED})
+    ranks = []
+    for r in state.ranks:
+        io = rank_page_transfer(state.config, r)
+        keys = io.keys.get(PoolName.SWA)
+        shrink = state.config.variant.protocol_0523 and io.reached_sidecars and keys is not None and keys < (r.window
+                                                                                                             or 0)
+        ranks.append(r.model_copy(update={"io": io, **({"window": keys} if shrink else {})}))
+    return state.model_copy(update={"ranks": tuple(ranks), "phase": Phase.TRANSFERRED})
 
 
 # ---------------------------------------------------------------- 3. the termination vote
@@ -789,6 +896,12 @@ def reduce_prefetch_ack(state: PrefetchState) -> PrefetchState:
     op = "reduce_prefetch_ack"
     _phase(state, op, Phase.DECIDED)
     c = state.config
+    if c.variant.protocol_0523 and not all(_io(r, op).finished for r in state.ranks):
+        # 0.5.23: an IO thread still in flight has emitted no ACK (one per finished batch), and the ACK drain is
+        # rank-min: nothing is reduced at this check, the scheduler sees 0 pages completed and no pool result
+        none = tuple(r.model_copy(update={"min_completed": 0, "synced_hits": dict.fromkeys(r.progress.transfers, 0),
+                                          "transfers_done": False}) for r in state.ranks)
+        return state.model_copy(update={"ranks": none, "phase": Phase.REDUCED})
     packs = [pack_prefetch_ack(c, r) for r in state.ranks]
     first = all_reduce(op, [p[0] for p in packs])
     if isinstance(first, CollectiveMismatch):
@@ -905,20 +1018,21 @@ def rank_handle_prefetch_result(config: TPPrefetchConfig, rank: RankState) -> Ra
     """One proceeding rank's ``handle_prefetch_result``: 0.5.23's all-or-nothing check, the insert, the SWA commit,
     and every host slot's owner (T4; module docstring)."""
     op = "handle_prefetch_result"
-    io, hit = _io(rank, op), _synced(rank, op)
+    io = _io(rank, op)
     require(rank.min_completed is not None and rank.synced_hits is not None, op, "state",
             "reduce_prefetch_ack first")
     m = int(rank.min_completed or 0)
     counts = rank.synced_hits or {}
-    p, r_pages = config.page_size, config.request_pages
-    n = window_pages(config, rank.progress)
+    p, staged, target = config.page_size, _staged(rank, op), rank_target(rank, op)
+    n = _window(rank, op)
     v = config.variant
     keys_swa = io.keys.get(PoolName.SWA, 0)
-    holds_from = (hit - keys_swa) * p  # the SWA window the IO thread fetched ends at the synced hit (T3)
+    holds_from = (target - keys_swa) * p  # the SWA window the IO thread fetched ends at its target (T3)
     if v.protocol_0523:
-        ok = m == hit and all(counts.get(pool, 0) == io.keys[pool] for pool in rank.progress.transfers)
+        # _check_hybrid_prefetch_result: the rank's own expected length is its (truncated) hash_value
+        ok = m == target and all(counts.get(pool, 0) == io.keys[pool] for pool in rank.progress.transfers)
         if rank.progress.transfers and not ok:  # discard the whole prefetch
-            full = (SlotOwner.RELEASE_QUEUE,) * m + (SlotOwner.IO_THREAD,) * (r_pages - m)
+            full = (SlotOwner.RELEASE_QUEUE,) * m + (SlotOwner.IO_THREAD,) * (staged - m)
             scheduler = rank.transfers_done or v is TPPrefetchVariant.BEST_EFFORT_RELEASE
             swa = ((SlotOwner.RELEASE_QUEUE if scheduler else SlotOwner.IO_THREAD),) * n
             hazard = tuple(i for i in io.in_flight if swa[i] is not SlotOwner.IO_THREAD)
@@ -931,7 +1045,7 @@ def rank_handle_prefetch_result(config: TPPrefetchConfig, rank: RankState) -> Ra
     prefix = inserted.prefix_len // p
     completed = io.completed if not v.protocol_0523 else m  # 0.5.23: the IO thread releases the rank-local tail
     full = ((SlotOwner.FREED,) * prefix + (SlotOwner.TREE,) * (m - prefix)
-            + (SlotOwner.RELEASE_QUEUE,) * (completed - m) + (SlotOwner.IO_THREAD,) * (r_pages - completed))
+            + (SlotOwner.RELEASE_QUEUE,) * (completed - m) + (SlotOwner.IO_THREAD,) * (staged - completed))
     hazard = tuple(i for i in io.in_flight if swa_commit.swa_slots[i] is not SlotOwner.IO_THREAD)
     return RankCommit(nodes=swa_commit.nodes, prefix_len=inserted.prefix_len, total_len=m * p,
                       attached=swa_commit.attached, discarded=False, insert_split=inserted.split,
@@ -942,7 +1056,7 @@ def rank_handle_prefetch_result(config: TPPrefetchConfig, rank: RankState) -> Ra
 def _waiting_commit(config: TPPrefetchConfig, rank: RankState) -> RankCommit:
     """A rank that does not terminate yet: its tree unchanged, its slots still held by the prefetch (a rank that never
     registered holds none)."""
-    full, swa = (config.request_pages, window_pages(config, rank.progress)) if rank.progress.registered else (0, 0)
+    full, swa = _staged(rank, "handle_prefetch_result"), _window(rank, "handle_prefetch_result")
     return RankCommit(nodes=_nodes_of(config), prefix_len=0, total_len=0, attached=False, discarded=False,
                       insert_split=None, swa_split=None, full_slots=(SlotOwner.HELD,) * full,
                       swa_slots=(SlotOwner.HELD,) * swa, written_after_release=())
@@ -959,12 +1073,13 @@ def handle_prefetch_result(state: PrefetchState) -> PrefetchState:
 
 
 def check_prefetch_progress(config: TPPrefetchConfig, ranks: Sequence[RankProgress]) -> PrefetchState:
-    """One check of the prefetch on every rank: the five operations in order, until a mismatch or a wait."""
+    """One check of the prefetch on every rank: the five operations in order, until a mismatch, a wait or (0.5.23) a
+    revoke."""
     state = initial_state(config, ranks)
     for step in (sync_prefetch_hit_query, page_transfer, can_terminate_prefetch, reduce_prefetch_ack,
                  handle_prefetch_result):
         state = step(state)
-        if state.phase in (Phase.MISMATCHED, Phase.WAITING):
+        if state.phase in (Phase.MISMATCHED, Phase.WAITING, Phase.REVOKED):
             break
     return state
 
@@ -1104,7 +1219,8 @@ class PhaseReport(BaseModel):
 
 def phase_report(op: str, before: PrefetchState, after: PrefetchState) -> PhaseReport:
     """The reference's :class:`PhaseReport` of ``op`` from the states before and after it."""
-    proceeds = tuple(r.proceeds for r in after.ranks) if op == "can_terminate_prefetch" else ()
+    decided = op == "can_terminate_prefetch" and after.phase is not Phase.MISMATCHED  # a mismatched vote decides none
+    proceeds = tuple(r.proceeds for r in after.ranks) if decided else ()
     commits = tuple(r.commit for r in after.ranks if r.commit is not None) if op == "handle_prefetch_result" else ()
     return PhaseReport(op=op, phase=after.phase, collectives=after.collectives[len(before.collectives):],
                        mismatch=after.mismatch, proceeds=proceeds, commits=commits)
@@ -1128,7 +1244,7 @@ def check_rank_commit(config: TPPrefetchConfig, commit: RankCommit) -> None:
     inserted = sum(n.length for n in commit.nodes if n.inserted) // p
     in_tree = commit.full_slots.count(SlotOwner.TREE)
     ensure(in_tree == inserted, "T4", f"{in_tree} Full host pages owned by the tree, {inserted} pages inserted")
-    ensure(len(commit.full_slots) in (0, config.request_pages), "T4",
+    ensure(len(commit.full_slots) <= config.request_pages, "T4",
            f"{len(commit.full_slots)} Full host pages tracked for a {config.request_pages}-page request")
     attached = [page for n in commit.nodes for page in n.swa_pages]
     ensure(len(attached) == len(set(attached)), "T4", f"a window page is attached twice: {attached}")
@@ -1175,7 +1291,7 @@ def check_tp_prefetch(state: PrefetchState) -> None:
             continue
         for j, r in enumerate(state.ranks):
             io = r.io
-            n = window_pages(c, r.progress)
+            n = r.window or 0
             whole = io is not None and io.reached_sidecars and io.keys.get(PoolName.SWA, 0) == n and not [
                 k for k in r.progress.swa_missing if k < n] and r.progress.io_done
             ensure(whole, "T2", f"rank {i} attached its SWA window but rank {j} did not fetch all {n} window pages "
@@ -1225,6 +1341,16 @@ def _phase(state: PrefetchState, op: str, want: Phase) -> None:
 def _synced(rank: RankState, op: str) -> int:
     require(rank.synced_hit is not None, op, "state", "sync_prefetch_hit_query first")
     return int(rank.synced_hit or 0)
+
+
+def _staged(rank: RankState, op: str) -> int:
+    require(rank.staged is not None, op, "state", "sync_prefetch_hit_query first (0.5.23 stages at hit time)")
+    return int(rank.staged or 0)
+
+
+def _window(rank: RankState, op: str) -> int:
+    require(rank.window is not None, op, "state", "sync_prefetch_hit_query first (0.5.23 stages at hit time)")
+    return int(rank.window or 0)
 
 
 def _io(rank: RankState, op: str) -> IOResult:

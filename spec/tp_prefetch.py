@@ -1,5 +1,6 @@
 """``tp_prefetch``: cross-rank sidecar hit sync and all-or-nothing SWA prefetch (PR #27264; sglang_semantics.md §6.1-
-§6.7, §7 T1-T5, §8 item 9, §9 S10; upstream_0523_vllm_fuzz.md §2 for SGLang 0.5.23).
+§6.7, §7 T1-T5, §8 item 9, §9 S10; upstream_0523_vllm_fuzz.md §2 for SGLang 0.5.23; sglang-findings.md D1-D4, F6 for
+its hit-time staging).
 
 The model mirrors ``kvproof.reference.tp_prefetch`` operation by operation, over ``RANKS = 8`` rank slots of which
 the first ``N`` (1..8) are active. All lengths are whole pages (the key is page-aligned); ``P`` only turns them into
@@ -10,9 +11,12 @@ whether the anchor is the root; the host path before the prefetch: up to two nod
 pages, with or without an SWA host value), each rank's inputs (constants, the reference's ``RankProgress``: storage
 ``hit``, Full pages loaded ``full``, IO ``done``, deadline ``dl``, policy ``pol`` (0 best_effort, 1 wait_complete,
 2 timeout), its transfer set (``swa``, ``mamba``), the first window-buffer page whose SWA fetch fails
-``first_miss`` (``n``: none), ``mamba_ok``, ``reg``), the phase, which collective mismatched (``mism``), whether a
-collective reduced different pools' slots together (``mix``), and per rank what each operation derived: the synced
-hit ``H``, completed pages ``C``, whether the sidecar step ran (``reach``), the recorded SWA / Mamba counts
+``first_miss`` (``n``: none), ``mamba_ok``, ``reg``, and 0.5.23's Full host pages free at hit time ``hfree``
+(``host_free_pages``; 0: enough, the reference's ``None``)), the phase, which collective mismatched (``mism``),
+whether a collective reduced different pools' slots together (``mix``), and per rank what each operation derived:
+the synced hit ``H``, the Full pages ``staged`` for the prefetch and the SWA ``window`` buffer pages (the
+reference's ``RankState.staged`` / ``window``: ``R`` and the window keys from the start before 0.5.23, set at hit
+time in 0.5.23), completed pages ``C``, whether the sidecar step ran (``reach``), the recorded SWA / Mamba counts
 ``cnt`` / ``mcnt``, SWA writes in flight ``infl``, IO finished ``fin``, ``go`` (terminates now), the completed count
 the insert uses ``M``, the SWA / Mamba counts the commit reads ``S`` / ``Sm``, ``tdone`` (pool transfers done), and
 the result: inserted up to ``total`` pages, ``attach``, ``disc`` (0.5.23 discard), ``hazard`` (a window page released
@@ -20,19 +24,28 @@ by the scheduler while its IO thread writes it), ``prefix`` (pages already prese
 ``ins_split`` / ``swa_split`` (pages; ``-1``: none). The action of ``page_transfer`` is each rank's number of
 successful SWA fetches among its keys (``succ``): the sum that #27264 counts, constrained by ``first_miss``.
 
+**0.5.23's staging** (the reference's ``staged_pages`` / ``swa_buffer_pages`` / ``rank_target``): after the hit
+query a synced hit of 0 pages revokes the check on every rank (phase ``revoked``: no IO, no collective, no commit;
+D2); otherwise each rank stages ``min(H, hfree)`` Full pages (F6: a rank short of host pages truncates its own
+length after the sync) and a window buffer of ``min(window keys, H)`` pages (D1); its IO thread's target is
+``min(H, staged)``, which the all-or-nothing check compares ``M`` with. ``reduce_prefetch_ack`` reduces nothing while
+some rank's IO is in flight (D3: every rank reads 0 completed and no pool result).
+
 **Transitions** (:data:`SYSTEMS`, one per variant; named like the reference's operations):
 :func:`sync_prefetch_hit_query`, :func:`page_transfer`, :func:`can_terminate_prefetch`,
 :func:`reduce_prefetch_ack`, :func:`handle_prefetch_result`; each is the builder of the same name applied to
-the pre-state (guard: the phase it runs at). ``tests/spec/test_drift_tp_prefetch.py`` checks that each accepts the
-steps of seeded reference runs.
+the pre-state (guard: the phase it runs at, so nothing runs after ``revoked``, ``waiting`` or ``mismatched``).
+``tests/spec/test_drift_tp_prefetch.py`` checks that each accepts the steps of seeded reference runs. The model covers
+one check from the start; a continued check (the reference's ``initial_state(..., continues=...)``) is not modelled.
 
 **Obligations** (``tp_prefetch.<op>.<claim>``; a twin appends what it breaks): the whole check is composed from the
 builders (:func:`run`) for any per-rank progress vector of up to 8 ranks:
 
 * ``sync_prefetch_hit_query.same_hit`` (twin ``.no_sync``): every rank loads against one synced hit, at most its own;
   ``sync_prefetch_hit_query.aligned_0523`` (twin ``.transfer_sets_differ``: 0.5.23 keeps T5 in the hit query);
+  ``sync_prefetch_hit_query.revoke_agreed_0523`` (D2: every rank revokes or none, nothing staged; twin ``.no_sync``);
 * ``page_transfer.sidecars_after_full`` / ``sidecars_after_full_0523`` (T3: SWA hits are recorded only once every Full
-  page up to the synced hit completed; twins ``.no_full_guard``);
+  page up to the rank's target completed; twins ``.no_full_guard``);
 * ``can_terminate_prefetch.agreed`` / ``agreed_0523``: one policy on every rank => the vote lines up and every rank
   makes the same decision (twins ``.mixed_policies``: a mismatched vote; in 0.5.23 no collective sees it and one
   rank commits while another waits);
@@ -40,11 +53,15 @@ builders (:func:`run`) for any per-rank progress vector of up to 8 ranks:
   SWA and Mamba slots reduced together), ``reduce_prefetch_ack.fixed_layout_0523`` (the ``PoolName`` packing lines
   up whatever non-empty sets the ranks built; twin ``.comp_xfers_order``);
 * ``handle_prefetch_result.same_tree`` / ``same_tree_0523`` (T1: the same full prefix, attach decision and split
-  points; twins ``.pre_27264`` = S10, ``.no_pool_sync``), ``handle_prefetch_result.full_slots_conserved`` (T4, Full
-  host pages; twin ``.max_reduce``), ``handle_prefetch_result.no_write_after_release_0523`` (R5-d; twins
-  ``.best_effort_release``, ``.upstream_27264``, ``.upstream_27264_any_terminated``: a model finding from §6.3's
-  vote, to confirm on the real code);
-* ``commit_prefetch.whole_window`` / ``whole_window_0523`` (T2; twins ``.pre_27264``, ``.partial_window``),
+  points; 0.5.23 without host pressure; twins ``.pre_27264`` = S10, ``.no_pool_sync``, ``.host_pressure`` = F6),
+  ``handle_prefetch_result.full_slots_conserved`` (T4, Full host pages; twin ``.max_reduce``),
+  ``handle_prefetch_result.no_write_after_release_0523`` (R5-d; twins ``.best_effort_release``, ``.upstream_27264``,
+  ``.upstream_27264_any_terminated``: a model finding from §6.3's vote, to confirm on the real code);
+* ``commit_prefetch.whole_window`` / ``whole_window_0523`` (T2; 0.5.23 without host pressure; twins ``.pre_27264``,
+  ``.partial_window``, ``.host_pressure``: a rank short of host pages shrinks its window buffer to its keys and
+  attaches it at the root while the others did not fetch theirs whole),
+  ``commit_prefetch.short_hit_at_root_0523`` (D1: at the root a hit shorter than the window is a whole window, attached
+  on every rank; twin ``.staged_at_start``),
   ``commit_prefetch.aligned_window`` (T3; twin ``.pre_27264_s10``: tokens 320-447 get the SWA of 512-639),
   ``commit_prefetch.swa_slots_conserved`` (T4, the walk over any host path; twins ``.no_prefix_release``,
   ``.split_at_absolute_offset``);
@@ -94,8 +111,8 @@ FAMILY = "tp_prefetch"
 RANKS = 8
 BE, WC, TO = 0, 1, 2
 POLICIES = ("best_effort", "wait_complete", "timeout")
-STARTED, QUERIED, TRANSFERRED, DECIDED, REDUCED, COMMITTED, WAITING, MISMATCHED = range(8)
-PHASES = ("started", "queried", "transferred", "decided", "reduced", "committed", "waiting", "mismatched")
+STARTED, QUERIED, TRANSFERRED, DECIDED, REDUCED, COMMITTED, WAITING, MISMATCHED, REVOKED = range(9)
+PHASES = ("started", "queried", "transferred", "decided", "reduced", "committed", "waiting", "mismatched", "revoked")
 AT_HIT_QUERY, AT_VOTE, AT_REDUCE = 1, 2, 3
 COLLECTIVES = ("", "sync_prefetch_hit_query", "can_terminate_prefetch", "reduce_prefetch_ack")
 POOLS = 3  # 0.5.23's pool slots: kv, mamba, swa
@@ -128,6 +145,8 @@ class Twist:
     partial_window: bool = False  # the commit attaches on a synced count >= 1
     no_pool_sync: bool = False  # 0.5.23: the pool-hit ACK not reduced (rank-local counts)
     no_full_guard: bool = False  # the IO thread fetches the sidecars whether or not every Full page completed
+    staged_at_start: bool = False  # 0.5.23 staging R Full pages and the whole window before the hit, no revoke
+    ack_in_flight: bool = False  # 0.5.23 reducing the ACKs while an IO thread is in flight (the drift test's, D3)
 
 
 SOUND = Twist()
@@ -162,10 +181,13 @@ class State:
     first_miss: Ints
     mamba_ok: Bools
     reg: Bools
+    hfree: Ints
     phase: z3.ArithRef
     mism: z3.ArithRef
     mix: z3.BoolRef
     H: Ints
+    staged: Ints
+    window: Ints
     C: Ints
     reach: Bools
     cnt: Ints
@@ -198,7 +220,7 @@ class State:
                 "e1": z3.Int("e1"), "e2": z3.Int("e2"), "s1": z3.Bool("s1"), "s2": z3.Bool("s2"),
                 "hit": ints("hit"), "full": ints("full"), "done": bools("done"), "dl": bools("dl"),
                 "pol": ints("pol"), "swa": bools("swa"), "mamba": bools("mamba"), "first_miss": ints("first_miss"),
-                "mamba_ok": bools("mamba_ok"), "reg": bools("reg")}
+                "mamba_ok": bools("mamba_ok"), "reg": bools("reg"), "hfree": ints("hfree")}
 
     @staticmethod
     def fresh(tag: str) -> State:
@@ -218,18 +240,20 @@ class State:
         return State(**State.inputs(), **derived)  # type: ignore[arg-type]
 
     @staticmethod
-    def initial() -> State:
-        """The state before any operation, with the derived values as literals (the obligations' start)."""
+    def initial(v: Variant) -> State:
+        """The state before any operation (the obligations' start): the derived values as literals, but before 0.5.23
+        each registered rank's ``staged`` / ``window`` (allocated at the start: the reference's ``initial_state``)."""
         zero, false = (z3.IntVal(0),) * RANKS, (z3.BoolVal(False),) * RANKS
         derived: dict[str, object] = {"phase": z3.IntVal(STARTED), "mism": z3.IntVal(0), "mix": z3.BoolVal(False)}
         for name in _INT_FIELDS:
             derived[name] = tuple(z3.IntVal(-1) for _ in range(RANKS)) if name in _SPLITS else zero
         for name in _BOOL_FIELDS:
             derived[name] = false
-        return State(**State.inputs(), **derived)  # type: ignore[arg-type]
+        start = State(**State.inputs(), **derived)  # type: ignore[arg-type]
+        return start if v.protocol_0523 else _staging(v, start, [z3.IntVal(0)] * RANKS)
 
 
-_INT_FIELDS = ("H", "C", "cnt", "mcnt", "M", "S", "Sm", "total", "prefix", "ins_split", "swa_split")
+_INT_FIELDS = ("H", "staged", "window", "C", "cnt", "mcnt", "M", "S", "Sm", "total", "prefix", "ins_split", "swa_split")
 _BOOL_FIELDS = ("reach", "infl", "fin", "go", "tdone", "attach", "disc", "hazard")
 _SPLITS = ("ins_split", "swa_split")
 
@@ -272,16 +296,51 @@ def _all_equal(values: Sequence[z3.ExprRef], mask: Sequence[z3.BoolRef]) -> z3.B
     return z3.And([z3.Implies(mask[r], values[r] == values[0]) for r in range(1, RANKS)])
 
 
-def window(v: Variant, s: State, r: int) -> z3.ArithRef:
-    """The rank's window-buffer pages (the reference's ``window_pages``)."""
+def window_pages(v: Variant, s: State, r: int) -> z3.ArithRef:
+    """The rank's SWA window keys before the hit (the reference's ``window_pages``; #34798: 0.5.23 at the root with a
+    request shorter than the window, the request)."""
     n = z3.If(s.sw > s.R, s.R, s.sw) if v.protocol_0523 else s.sw
     return z3.If(s.swa[r], n, 0)
 
 
-def keys_swa(v: Variant, s: State, r: int) -> z3.ArithRef:
-    """SWA keys: the last ``min(n, hit)`` hashes once the sidecar step runs, else the ``n`` placeholders."""
-    n = window(v, s, r)
-    return z3.If(s.reach[r], zmin(n, s.H[r]), n)
+def _staged_at_hit(v: Variant, tw: Twist) -> bool:
+    return v.protocol_0523 and not tw.staged_at_start
+
+
+def staged_pages(v: Variant, s: State, r: int, hit: z3.ArithRef, tw: Twist = SOUND) -> z3.ArithRef:
+    """The Full host pages the rank stages (the reference's ``staged_pages``): ``R`` before 0.5.23; 0.5.23
+    ``min(hit, hfree)`` (``allow_partial``, F6); 0 on a rank that never registered."""
+    n = z3.If(s.hfree[r] == 0, hit, zmin(hit, s.hfree[r])) if _staged_at_hit(v, tw) else s.R
+    return z3.If(s.reg[r], n, 0)
+
+
+def swa_buffer_pages(v: Variant, s: State, r: int, hit: z3.ArithRef, tw: Twist = SOUND) -> z3.ArithRef:
+    """The rank's SWA window-buffer pages (the reference's ``swa_buffer_pages``): the window keys before 0.5.23;
+    0.5.23 ``min(window keys, hit)`` (``_alloc_prefetch_aux_staging``, D1); 0 on a rank that never registered."""
+    n = window_pages(v, s, r)
+    return z3.If(s.reg[r], zmin(n, hit) if _staged_at_hit(v, tw) else n, 0)
+
+
+def _staging(v: Variant, s: State, hits: Sequence[z3.ArithRef], tw: Twist = SOUND,
+             ended: z3.BoolRef | None = None) -> State:
+    """Every active rank's ``staged`` / ``window`` against its synced hit (none where the check ``ended``)."""
+    def at(value: Callable[[int], z3.ArithRef]) -> Callable[[int], z3.ArithRef]:
+        return value if ended is None else lambda r: z3.If(ended, 0, value(r))
+
+    return dataclasses.replace(s, staged=_ranks(s, "staged", at(lambda r: staged_pages(v, s, r, hits[r], tw))),
+                               window=_ranks(s, "window", at(lambda r: swa_buffer_pages(v, s, r, hits[r], tw))))
+
+
+def rank_target(s: State, r: int) -> z3.ArithRef:
+    """The Full pages the rank's IO thread fetches (the reference's ``rank_target``): the synced hit, or fewer where
+    0.5.23 staged fewer (F6)."""
+    return zmin(s.H[r], s.staged[r])
+
+
+def keys_swa(s: State, r: int) -> z3.ArithRef:
+    """SWA keys: the last ``min(window, target)`` hashes once the sidecar step runs, else ``window`` placeholders."""
+    n = s.window[r]
+    return z3.If(s.reach[r], zmin(n, rank_target(s, r)), n)
 
 
 def _per_rank(s: State, r: int, new: z3.ExprRef, field: str) -> z3.ExprRef:
@@ -302,13 +361,14 @@ def valid_inputs(v: Variant, s: State) -> list[z3.BoolRef]:
         swa_ok = z3.Or(s.sw <= s.R, s.root) if v.protocol_0523 else s.sw <= s.R
         facts.append(z3.Implies(active(s, r), z3.And(
             s.hit[r] >= 0, s.hit[r] <= s.R, s.full[r] >= 0, s.full[r] <= s.R, s.pol[r] >= 0, s.pol[r] <= 2,
-            s.first_miss[r] >= 0, s.first_miss[r] <= window(v, s, r), z3.Implies(s.swa[r], swa_ok))))
+            s.first_miss[r] >= 0, s.first_miss[r] <= window_pages(v, s, r), z3.Implies(s.swa[r], swa_ok),
+            s.hfree[r] >= 0 if v.protocol_0523 else s.hfree[r] == 0)))
     return facts
 
 
 def init(s: State, v: Variant = Variant.UPSTREAM_27264) -> z3.BoolRef:
-    """``initial_state``: valid inputs, nothing derived yet."""
-    start = State.initial()
+    """``initial_state``: valid inputs, nothing derived yet (before 0.5.23: but the staging, :meth:`State.initial`)."""
+    start = State.initial(v)
     return z3.And(*valid_inputs(v, s), *[a == b for a, b in zip(_ts.terms_of(s), _ts.terms_of(start), strict=True)
                                          if not a.eq(b)])
 
@@ -319,7 +379,8 @@ def init(s: State, v: Variant = Variant.UPSTREAM_27264) -> z3.BoolRef:
 def sync_prefetch_hit_query_terms(v: Variant, s: State, tw: Twist = SOUND) -> State:
     """The storage-hit MIN: every registered rank calls it; #27264 era ``[hit]``, 0.5.23 ``R + 1`` flags (a rank
     with a sidecar transfer) or ``[hit]``, plus 3 pool verdicts. Mismatch: a rank that never registered, or two
-    shapes. The synced hit is the MIN (0.5.23's flags over contiguous storage give the same)."""
+    shapes. The synced hit is the MIN (0.5.23's flags over contiguous storage give the same). 0.5.23 then stages at
+    hit time (:func:`_staging`), or revokes the check on every rank when the synced hit is 0 (D2)."""
     act = [active(s, r) for r in range(RANKS)]
     if v.protocol_0523:
         shape = [z3.If(z3.Or(s.swa[r], s.mamba[r]), s.R + 1, 1) + POOLS for r in range(RANKS)]
@@ -328,17 +389,26 @@ def sync_prefetch_hit_query_terms(v: Variant, s: State, tw: Twist = SOUND) -> St
     mism = z3.Not(z3.And(z3.And([z3.Implies(act[r], s.reg[r]) for r in range(RANKS)]), _all_equal(shape, act)))
     low = _min(s.hit, act)
     hits = _ranks(s, "H", lambda r: z3.If(mism, 0, s.hit[r] if tw.no_hit_sync else low))
-    return dataclasses.replace(s, H=hits, phase=z3.If(mism, MISMATCHED, QUERIED), mism=z3.If(mism, AT_HIT_QUERY, 0))
+    post = dataclasses.replace(s, H=hits, phase=z3.If(mism, MISMATCHED, QUERIED), mism=z3.If(mism, AT_HIT_QUERY, 0))
+    if not v.protocol_0523:
+        return post  # staged at the start (State.initial)
+    revoked = z3.BoolVal(False) if tw.staged_at_start else z3.And(
+        z3.Not(mism), *[z3.Implies(act[r], hits[r] == 0) for r in range(RANKS)])
+    return dataclasses.replace(_staging(v, post, hits, tw, z3.Or(mism, revoked)),
+                               phase=z3.If(mism, MISMATCHED, z3.If(revoked, REVOKED, QUERIED)))
 
 
 def page_transfer_terms(v: Variant, s: State, a: Action, tw: Twist = SOUND) -> tuple[State, list[z3.BoolRef]]:
-    """Each rank's IO thread (the reference's ``rank_page_transfer``) and what ``succ`` may be."""
+    """Each rank's IO thread (the reference's ``rank_page_transfer``): Full pages up to its target, then the sidecars;
+    and what ``succ`` may be. 0.5.23 re-aligns the SWA keys to the target and shrinks a longer window buffer to them
+    (``_sync_trailing_keys``: only a rank that staged fewer pages than the window, F6)."""
     facts: list[z3.BoolRef] = []
-    C, reach, cnt, mcnt, infl, fin = [], [], [], [], [], []
+    C, reach, cnt, mcnt, infl, fin, win = [], [], [], [], [], [], []
     for r in range(RANKS):
-        c = zmin(s.full[r], s.H[r])
-        rch = s.reg[r] if tw.no_full_guard else z3.And(s.reg[r], c == s.H[r])
-        k = zmin(window(v, s, r), s.H[r])
+        target = rank_target(s, r)
+        c = zmin(s.full[r], target)
+        rch = s.reg[r] if tw.no_full_guard else z3.And(s.reg[r], c == target)
+        k = zmin(s.window[r], target)
         lead = zmin(s.first_miss[r], k)
         facts.append(z3.Implies(active(s, r), z3.And(a.succ[r] >= lead, a.succ[r] <= k,
                                                       (a.succ[r] == k) == (s.first_miss[r] >= k))))
@@ -346,10 +416,12 @@ def page_transfer_terms(v: Variant, s: State, a: Action, tw: Twist = SOUND) -> t
         C.append(c)
         reach.append(rch)
         cnt.append(z3.If(z3.And(rch, s.swa[r], s.done[r]), count, 0))
-        mcnt.append(z3.If(z3.And(rch, s.mamba[r], s.done[r]), z3.If(z3.And(s.mamba_ok[r], s.H[r] >= 1), 1, 0), 0))
+        mcnt.append(z3.If(z3.And(rch, s.mamba[r], s.done[r]), z3.If(z3.And(s.mamba_ok[r], target >= 1), 1, 0), 0))
         infl.append(z3.And(rch, s.swa[r], z3.Not(s.done[r]), a.succ[r] >= 1))
         fin.append(z3.Or(s.done[r], z3.And(rch, z3.Not(s.swa[r]), z3.Not(s.mamba[r]))))
+        win.append(z3.If(z3.And(rch, s.swa[r]), k, s.window[r]) if _staged_at_hit(v, tw) else s.window[r])
     post = dataclasses.replace(s, phase=z3.IntVal(TRANSFERRED), C=_ranks(s, "C", lambda r: C[r]),
+                               window=_ranks(s, "window", lambda r: win[r]),
                                reach=_ranks(s, "reach", lambda r: reach[r]), cnt=_ranks(s, "cnt", lambda r: cnt[r]),
                                mcnt=_ranks(s, "mcnt", lambda r: mcnt[r]), infl=_ranks(s, "infl", lambda r: infl[r]),
                                fin=_ranks(s, "fin", lambda r: fin[r]))
@@ -386,16 +458,20 @@ def can_terminate_prefetch_terms(v: Variant, s: State) -> State:
 
 
 def reduce_prefetch_ack_terms(v: Variant, s: State, tw: Twist = SOUND) -> State:
-    """The packed MIN (the reference's ``pack_prefetch_ack`` / ``unpack_prefetch_ack``)."""
+    """The packed MIN (the reference's ``pack_prefetch_ack`` / ``unpack_prefetch_ack``). 0.5.23 reduces nothing while
+    some rank's IO thread is in flight (D3: no collective, every rank reads 0 completed and no pool result)."""
     act = [active(s, r) for r in range(RANKS)]
     pick = zmax if tw.max_reduce else zmin
     m_all = _fold(s.C, act, pick)
     zero = z3.IntVal(0)
+    no_ack: z3.BoolRef = z3.BoolVal(False)  # no ACK reduced at this check
     if v.protocol_0523:
+        finished = z3.And([z3.Implies(act[r], s.fin[r]) for r in range(RANKS)])
+        no_ack = z3.BoolVal(False) if tw.ack_in_flight else z3.Not(finished)
         with_ = [z3.And(act[r], z3.Or(s.swa[r], s.mamba[r])) for r in range(RANKS)]
-        mism = z3.And(z3.Or(with_), z3.Or([z3.And(act[r], z3.Not(z3.Or(s.swa[r], s.mamba[r])))
-                                           for r in range(RANKS)]))
-        applied = z3.And(z3.Or(with_), z3.And([z3.Implies(act[r], s.fin[r]) for r in range(RANKS)]))
+        mism = z3.And(z3.Not(no_ack), z3.Or(with_), z3.Or([z3.And(act[r], z3.Not(z3.Or(s.swa[r], s.mamba[r])))
+                                                          for r in range(RANKS)]))
+        applied = z3.And(z3.Or(with_), finished)
         s_all, m_pool = _fold(s.cnt, act, pick), _fold(s.mcnt, act, pick)
         S = _ranks(s, "S", lambda r: z3.If(z3.And(z3.Not(mism), applied, s.swa[r]),
                                            s.cnt[r] if tw.no_pool_sync else s_all, zero))
@@ -422,23 +498,24 @@ def reduce_prefetch_ack_terms(v: Variant, s: State, tw: Twist = SOUND) -> State:
             Sm = _ranks(s, "Sm", lambda r: z3.If(z3.And(z3.Not(mism), s.mamba[r]),
                                                  z3.If(s.swa[r], red2, red1), zero))
         tdone = _ranks(s, "tdone", lambda r: z3.And(z3.Not(mism), s.fin[r]))
-    M = _ranks(s, "M", lambda r: z3.If(mism, zero, m_all))
+    M = _ranks(s, "M", lambda r: z3.If(z3.Or(mism, no_ack), zero, m_all))
     return dataclasses.replace(s, M=M, S=S, Sm=Sm, tdone=tdone, mix=mix, phase=z3.If(mism, MISMATCHED, REDUCED),
                                mism=z3.If(mism, AT_REDUCE, 0))
 
 
 def handle_prefetch_result_terms(v: Variant, s: State, tw: Twist = SOUND) -> State:
     """Each proceeding rank: 0.5.23's all-or-nothing check, the insert (its split), the SWA commit (attach, its split),
-    the hazard (the reference's ``rank_handle_prefetch_result``)."""
+    the hazard (the reference's ``rank_handle_prefetch_result``). 0.5.23's check compares ``M`` with the rank's own
+    target (its staged length: F6 when one rank staged fewer)."""
     E = s.e1 + s.e2
     out: dict[str, list[z3.ExprRef]] = {k: [] for k in ("total", "attach", "disc", "hazard", "prefix", "ins_split",
                                                         "swa_split")}
     for r in range(RANKS):
         go = s.go[r]
-        n = window(v, s, r)
+        n, target = s.window[r], rank_target(s, r)
         if v.protocol_0523:
-            k_m = z3.If(s.reach[r], zmin(1, s.H[r]), 1)
-            ok = z3.And(s.M[r] == s.H[r], z3.Implies(s.swa[r], s.S[r] == keys_swa(v, s, r)),
+            k_m = z3.If(s.reach[r], zmin(1, target), 1)
+            ok = z3.And(s.M[r] == target, z3.Implies(s.swa[r], s.S[r] == keys_swa(s, r)),
                         z3.Implies(s.mamba[r], s.Sm[r] == k_m))
             disc = z3.And(go, z3.Or(s.swa[r], s.mamba[r]), z3.Not(ok))
         else:
@@ -514,8 +591,9 @@ def _rank_cell(m: z3.ModelRef, s: State, r: int) -> str:
     phase = as_int(m, s.phase)
     if phase == STARTED:
         return _inputs_text(m, s, r)
-    parts = [f"H={as_int(m, s.H[r])}"]
-    if (phase >= TRANSFERRED and phase != MISMATCHED) or as_int(m, s.C[r]):
+    hit, staged = as_int(m, s.H[r]), as_int(m, s.staged[r])
+    parts = [f"H={hit}" + (f" staged={staged}" if staged < hit else "")]
+    if phase not in (QUERIED, MISMATCHED, REVOKED) or as_int(m, s.C[r]):
         flight = " inflight" if as_bool(m, s.infl[r]) else ""
         parts.append(f"C={as_int(m, s.C[r])} cnt={as_int(m, s.cnt[r])}{flight}")
     if as_bool(m, s.go[r]):
@@ -533,7 +611,8 @@ def _inputs_text(m: z3.ModelRef, s: State, r: int) -> str:
             f"loaded={as_int(m, s.full[r])}" + ("" if as_bool(m, s.done[r]) else ", IO running")
             + (", deadline passed" if as_bool(m, s.dl[r]) else "")
             + (", Mamba fetch fails" if as_bool(m, s.mamba[r]) and not as_bool(m, s.mamba_ok[r]) else "")
-            + ("" if as_bool(m, s.reg[r]) else ", unregistered"))
+            + ("" if as_bool(m, s.reg[r]) else ", unregistered")
+            + (f", {as_int(m, s.hfree[r])} Full host page(s) free" if as_int(m, s.hfree[r]) else ""))
 
 
 COLUMNS = ("phase", *(f"rank {r}" for r in range(RANKS)))
@@ -591,17 +670,29 @@ class Run:
         return self.states[-1]
 
     @property
+    def queried(self) -> z3.BoolRef:
+        """The hit query neither mismatched nor revoked the check: the later operations ran (the states after a
+        mismatch or a revoke are the builders' terms, which no transition reaches)."""
+        return self.states[1].phase == QUERIED
+
+    @property
+    def revoked(self) -> z3.BoolRef:
+        return self.states[1].phase == REVOKED
+
+    @property
     def mismatched(self) -> z3.BoolRef:
         s1, s3, s4 = self.states[1], self.states[3], self.states[4]
-        return z3.Or(s1.mism != 0, s3.mism != 0, z3.And(s3.phase == DECIDED, s4.mism != 0))
+        return z3.Or(s1.mism != 0, z3.And(self.queried, z3.Or(s3.mism != 0, z3.And(s3.phase == DECIDED,
+                                                                                    s4.mism != 0))))
 
     @property
     def waiting(self) -> z3.BoolRef:
-        return z3.And(self.states[1].mism == 0, self.states[3].phase == WAITING)
+        return z3.And(self.queried, self.states[3].phase == WAITING)
 
     @property
     def committed(self) -> z3.BoolRef:
-        return z3.And(z3.Not(self.mismatched), z3.Not(self.waiting))
+        """Neither mismatched, waiting nor revoked: ``handle_prefetch_result`` ran."""
+        return z3.And(self.queried, z3.Not(self.mismatched), z3.Not(self.waiting))
 
     def mismatch_at(self) -> z3.ArithRef:
         s1, s3, s4 = self.states[1], self.states[3], self.states[4]
@@ -610,7 +701,7 @@ class Run:
 
 def run(variant: Variant, twist: Twist = SOUND, tag: str = "run") -> Run:
     """The five operations composed on the initial state (any valid per-rank progress vector)."""
-    s0 = State.initial()
+    s0 = State.initial(variant)
     a = Action.fresh(tag)
     states = [s0, *(State.fresh(f"{tag}{i}") for i in range(1, 6))]
     built, facts = page_transfer_terms(variant, states[1], a, twist)
@@ -639,16 +730,19 @@ def run_text(m: z3.ModelRef, rn: Run, verdict: str) -> str:
              f"request R={as_int(m, s0.R)} pages, anchor {'root' if as_bool(m, s0.root) else 'mid-tree'}, host path "
              f"below it: {', '.join(path) or 'none'}; N={n_ranks} ranks"]
     s2, s4 = rn.states[2], rn.states[4]
+    ended = as_bool(m, rn.mismatched) or as_bool(m, rn.revoked)
     for r in range(n_ranks):
         miss = as_int(m, s0.first_miss[r])
-        n = as_int(m, window(rn.variant, s0, r))
-        lines.append(f"  rank {r}: {_inputs_text(m, s0, r)}, SWA window {n} pages"
-                     + (f" (page {miss} fails first)" if miss < n else "")
+        wp = as_int(m, window_pages(rn.variant, s0, r))
+        lines.append(f"  rank {r}: {_inputs_text(m, s0, r)}, SWA window {wp} pages"
+                     + (f" (page {miss} fails first)" if miss < wp else "")
                      + f", SWA successes succ={as_int(m, rn.action.succ[r])}")
-        if as_bool(m, rn.mismatched):
+        if ended:
             continue
-        lines.append(f"    synced hit {as_int(m, s2.H[r])}, completed {as_int(m, s2.C[r])}, SWA count recorded "
-                     f"{as_int(m, s2.cnt[r])}" + (", SWA writes in flight" if as_bool(m, s2.infl[r]) else "")
+        n = as_int(m, s2.window[r])
+        staging = f", stages {as_int(m, s2.staged[r])} Full and {n} window page(s)" if rn.variant.protocol_0523 else ""
+        lines.append(f"    synced hit {as_int(m, s2.H[r])}{staging}, completed {as_int(m, s2.C[r])}, SWA count "
+                     f"recorded {as_int(m, s2.cnt[r])}" + (", SWA writes in flight" if as_bool(m, s2.infl[r]) else "")
                      + (", proceeds" if as_bool(m, s5.go[r]) else ", waits"))
         if not as_bool(m, s5.go[r]):
             continue
@@ -659,18 +753,20 @@ def run_text(m: z3.ModelRef, rn: Run, verdict: str) -> str:
         else:
             res += f"inserts {total} pages ({total * p} tokens)"
         if as_bool(m, s5.attach[r]):
-            keys = as_int(m, keys_swa(rn.variant, rn.states[2], r))
-            src = as_int(m, s2.H[r]) - keys
+            keys = as_int(m, keys_swa(s2, r))
+            src = as_int(m, rank_target(s2, r)) - keys
             before = f" ({-low} page(s) before the anchor released)" if low < 0 else ""
             res += (f", attaches its {n}-page window at {_pages(m, s0, max(low, 0), total)}{before}, whose buffer "
                     f"holds the SWA KV of {_pages(m, s0, src, src + keys)} ({as_int(m, s4.S[r])} page(s) counted)")
-        elif as_int(m, window(rn.variant, s0, r)):
+        elif n:
             res += ", releases its window buffer"
         if as_bool(m, s5.hazard[r]):
             res += "; the scheduler releases window pages its IO thread is still writing"
         lines.append("    " + res)
     if as_bool(m, rn.mismatched):
         lines.append(f"  mismatched collective at {COLLECTIVES[as_int(m, rn.mismatch_at())]}")
+    elif as_bool(m, rn.revoked):
+        lines.append("  synced hit 0: the check is revoked on every rank (nothing staged, no IO, no ACK, no commit)")
     return "\n".join([*lines, verdict])
 
 
@@ -748,10 +844,48 @@ def _partial(rn: Run) -> list[z3.BoolRef]:
                                                    for r in range(2)]]
 
 
-def _short_hit(rn: Run) -> list[z3.BoolRef]:
-    """upstream_0523, a 2-page window at the root of a 4-page request; one rank's storage holds 1 page."""
+def _host_short(rn: Run) -> list[z3.BoolRef]:
+    """upstream_0523, :func:`_partial` with 1 Full host page free on rank 1 at hit time (F6)."""
     s = rn.last
-    return [*_swa_only(rn), s.sw == 2, s.R == 4, s.root, s.hit[0] == 1, s.hit[1] == 4]
+    return [*_partial(rn), s.hfree[0] == 0, s.hfree[1] == 1]
+
+
+def _host_short_root(rn: Run) -> list[z3.BoolRef]:
+    """:func:`_swa_only` at the root, rank 0 with host pages enough, rank 1 with 1 Full host page free at hit time."""
+    s = rn.last
+    return [*_swa_only(rn), s.root, s.hfree[0] == 0, s.hfree[1] == 1]
+
+
+def _f6(rn: Run) -> list[z3.BoolRef]:
+    """F6 (sglang-findings.md): mid-tree, wait_complete, both ranks find and load the whole request and its window;
+    rank 0 has host pages enough, rank 1 may be short."""
+    s = rn.last
+    return [*_swa_only(rn), z3.Not(s.root), s.hfree[0] == 0, *[z3.And(
+        s.pol[r] == WC, s.hit[r] == s.R, s.full[r] == s.R, s.done[r], s.first_miss[r] == s.sw) for r in range(2)]]
+
+
+def _own_hits(rn: Run) -> list[z3.BoolRef]:
+    """Rank 0's storage holds nothing, rank 1's something; both have host pages enough and finished their IO."""
+    s = rn.last
+    return [*_swa_only(rn), s.hit[0] == 0, s.hit[1] >= 1, *[z3.And(s.hfree[r] == 0, s.done[r]) for r in range(2)]]
+
+
+def no_host_pressure(rn: Run) -> z3.BoolRef:
+    """Every rank stages the whole synced hit (0.5.23: no rank is short of Full host pages at hit time)."""
+    s = rn.states[1]
+    return z3.And([z3.Implies(active(s, r), s.staged[r] >= s.H[r]) for r in range(RANKS)])
+
+
+def short_hit_at_root(rn: Run) -> z3.BoolRef:
+    """At the root, a synced hit of 1 page or more but shorter than the window; every rank registered, one policy and
+    one transfer set with SWA, no host pressure, each IO thread done with every page it looks for."""
+    s0, s1 = rn.states[0], rn.states[1]
+    fetched = [z3.Implies(active(s0, r), z3.And(s0.reg[r], s0.swa[r], s0.done[r], s0.full[r] >= s0.hit[r],
+                                                z3.Implies(s0.mamba[r], s0.mamba_ok[r]),
+                                                s0.first_miss[r] >= window_pages(rn.variant, s0, r)))
+               for r in range(RANKS)]
+    return z3.And(s0.root, s1.H[0] >= 1, s1.H[0] < s0.sw, same_sets(rn), one_policy(rn), no_host_pressure(rn),
+                  *fetched)
 
 
 def _same_hit(rn: Run) -> z3.BoolRef:
@@ -767,15 +901,24 @@ def _no_mismatch_at(op: int) -> Claim:
         if op == AT_HIT_QUERY:
             return s1.mism == 0
         if op == AT_VOTE:
-            return z3.Implies(s1.mism == 0, s3.mism == 0)
-        return z3.Implies(z3.And(s1.mism == 0, s3.phase == DECIDED), z3.And(s4.mism == 0, z3.Not(s4.mix)))
+            return z3.Implies(rn.queried, s3.mism == 0)
+        return z3.Implies(z3.And(rn.queried, s3.phase == DECIDED), z3.And(s4.mism == 0, z3.Not(s4.mix)))
     return claim
+
+
+def _revoke_agreed(rn: Run) -> z3.BoolRef:
+    """Every rank's synced hit is 0 (it revokes) or none is, the check is revoked exactly then, and nothing is
+    staged."""
+    s = rn.states[1]
+    act = [active(s, r) for r in range(RANKS)]
+    empty = z3.And([z3.Implies(act[r], z3.And(s.staged[r] == 0, s.window[r] == 0)) for r in range(RANKS)])
+    return z3.Implies(s.mism == 0, z3.And(_all_equal([h == 0 for h in s.H], act), rn.revoked == (s.H[0] == 0),
+                                          z3.Implies(rn.revoked, empty)))
 
 
 def _agreed(rn: Run) -> z3.BoolRef:
     s = rn.states[3]
-    return z3.Implies(rn.states[1].mism == 0, z3.And(s.mism == 0, _all_equal(s.go, [active(s, r)
-                                                                                    for r in range(RANKS)])))
+    return z3.Implies(rn.queried, z3.And(s.mism == 0, _all_equal(s.go, [active(s, r) for r in range(RANKS)])))
 
 
 def _same_tree(rn: Run) -> z3.BoolRef:
@@ -787,41 +930,47 @@ def _same_tree(rn: Run) -> z3.BoolRef:
 
 def _whole_window(rn: Run) -> z3.BoolRef:
     s, s2 = rn.last, rn.states[2]
-    v = rn.variant
-    everyone = z3.And([z3.Implies(active(s, q), z3.And(s2.reach[q], s.done[q], keys_swa(v, s2, q) == window(v, s, q),
-                                                       s.first_miss[q] >= window(v, s, q))) for q in range(RANKS)])
+    n = s2.window
+    everyone = z3.And([z3.Implies(active(s, q), z3.And(s2.reach[q], s.done[q], keys_swa(s2, q) == n[q],
+                                                       s.first_miss[q] >= n[q])) for q in range(RANKS)])
     return z3.Implies(rn.committed, z3.And([z3.Implies(z3.And(active(s, r), s.attach[r]), z3.And(
-        everyone, z3.Or(window(v, s, r) == s.sw, z3.And(s.root, s.total[r] == window(v, s, r)))))
-        for r in range(RANKS)]))
+        everyone, z3.Or(n[r] == s.sw, z3.And(s.root, s.total[r] == n[r])))) for r in range(RANKS)]))
+
+
+def _short_hit_attached(rn: Run) -> z3.BoolRef:
+    """Every rank commits the synced hit and attaches a window buffer of all of it (D1)."""
+    s, s1, s2 = rn.last, rn.states[1], rn.states[2]
+    return z3.And(rn.committed, *[z3.Implies(active(s, r), z3.And(s.attach[r], s.total[r] == s1.H[r],
+                                                                 s2.window[r] == s1.H[r])) for r in range(RANKS)])
 
 
 def _aligned_window(rn: Run) -> z3.BoolRef:
     s, s2 = rn.last, rn.states[2]
-    v = rn.variant
     return z3.Implies(rn.committed, z3.And([z3.Implies(z3.And(active(s, r), s.attach[r]), z3.And(
-        s.total[r] == s2.H[r], s.total[r] - window(v, s, r) == s2.H[r] - keys_swa(v, s2, r))) for r in range(RANKS)]))
+        s.total[r] == rank_target(s2, r), s.total[r] - s2.window[r] == rank_target(s2, r) - keys_swa(s2, r)))
+        for r in range(RANKS)]))
 
 
 def _full_slots(rn: Run) -> z3.BoolRef:
     s, s2 = rn.last, rn.states[2]
     return z3.Implies(rn.committed, z3.And([z3.Implies(z3.And(active(s, r), s.go[r], z3.Not(s.disc[r])), z3.And(
-        s.prefix[r] >= 0, s.prefix[r] <= s.total[r], s.total[r] <= s2.C[r], s2.C[r] <= s2.H[r], s2.H[r] <= s.R))
-        for r in range(RANKS)]))
+        s.prefix[r] >= 0, s.prefix[r] <= s.total[r], s.total[r] <= s2.C[r], s2.C[r] <= rank_target(s2, r),
+        s2.staged[r] <= s.R)) for r in range(RANKS)]))
 
 
 def _sidecars_after_full(rn: Run) -> z3.BoolRef:
-    s, s2 = rn.last, rn.states[2]
-    v = rn.variant
-    return z3.And([z3.Implies(z3.And(active(s, r), s2.cnt[r] > 0), z3.And(
-        s2.C[r] == s2.H[r], s2.cnt[r] <= keys_swa(v, s2, r), keys_swa(v, s2, r) <= window(v, s, r)))
+    s2 = rn.states[2]
+    return z3.And([z3.Implies(z3.And(active(s2, r), s2.cnt[r] > 0), z3.And(
+        s2.C[r] == rank_target(s2, r), s2.cnt[r] <= keys_swa(s2, r), keys_swa(s2, r) <= s2.window[r]))
         for r in range(RANKS)])
 
 
 def _explain_sidecars(m: z3.ModelRef, rn: Run) -> str:
     s2 = rn.states[2]
-    r = _first(m, rn, lambda s, r: z3.And(s2.cnt[r] > 0, s2.C[r] < s2.H[r]))
-    return (f"T3 broken: rank {r} records {as_int(m, s2.cnt[r])} SWA page(s) fetched for the window ending at the "
-            f"synced hit {as_int(m, s2.H[r])} although it completed only {as_int(m, s2.C[r])} Full pages")
+    r = _first(m, rn, lambda s, r: z3.And(s2.cnt[r] > 0, s2.C[r] < rank_target(s2, r)))
+    return (f"T3 broken: rank {r} records {as_int(m, s2.cnt[r])} SWA page(s) fetched for the window ending at its "
+            f"target {as_int(m, rank_target(s2, r))} (synced hit {as_int(m, s2.H[r])}) although it completed only "
+            f"{as_int(m, s2.C[r])} Full pages")
 
 
 def _no_hazard(rn: Run) -> z3.BoolRef:
@@ -835,13 +984,16 @@ def _first(m: z3.ModelRef, rn: Run, cond: Callable[[State, int], z3.BoolRef]) ->
 
 
 def _explain_tree(m: z3.ModelRef, rn: Run) -> str:
-    s = rn.last
+    s, s1 = rn.last, rn.states[1]
     n = as_int(m, s.N)
+    short = "".join(f"; rank {r} staged only {as_int(m, s1.staged[r])} of the synced hit's {as_int(m, s1.H[r])} "
+                    "Full pages, after the sync (host pressure, F6)" for r in range(n)
+                    if as_int(m, s1.staged[r]) < as_int(m, s1.H[r]))
     for f in ("go", "total", "attach", "ins_split", "swa_split"):
         values = [as_int(m, x) if not z3.is_bool(x) else as_bool(m, x) for x in getattr(s, f)[:n]]
         if len(set(values)) > 1:
-            return f"T1 broken: the ranks' host trees differ in {f}: {values} (rank 0 .. rank {n - 1})"
-    return "T1 broken"
+            return f"T1 broken: the ranks' host trees differ in {f}: {values} (rank 0 .. rank {n - 1}){short}"
+    return "T1 broken" + short
 
 
 def _explain_window(m: z3.ModelRef, rn: Run) -> str:
@@ -853,10 +1005,27 @@ def _explain_window(m: z3.ModelRef, rn: Run) -> str:
 def _explain_aligned(m: z3.ModelRef, rn: Run) -> str:
     r = _first(m, rn, lambda s, r: s.attach[r])
     s, s2 = rn.last, rn.states[2]
-    n = as_int(m, window(rn.variant, s, r))
-    total, src = as_int(m, s.total[r]), as_int(m, s2.H[r]) - as_int(m, keys_swa(rn.variant, s2, r))
+    n, target = as_int(m, s2.window[r]), as_int(m, rank_target(s2, r))
+    total, src = as_int(m, s.total[r]), target - as_int(m, keys_swa(s2, r))
     return (f"T3 broken: rank {r}'s {_pages(m, s, total - n, total)} get the SWA KV of {_pages(m, s, src, src + n)} "
-            f"(inserted {total} pages, the window was fetched for the synced hit {as_int(m, s2.H[r])})")
+            f"(inserted {total} pages, the window was fetched for its target {target}, the synced hit "
+            f"{as_int(m, s2.H[r])})")
+
+
+def _explain_short_hit(m: z3.ModelRef, rn: Run) -> str:
+    s2 = rn.states[2]
+    r = _first(m, rn, lambda st, r: z3.Not(st.attach[r]))
+    return (f"D1 broken: at the root rank {r}'s synced hit of {as_int(m, s2.H[r])} page(s), shorter than the window, "
+            f"is a whole window from token 0, but its {as_int(m, s2.window[r])}-page window buffer gets only "
+            f"{as_int(m, keys_swa(s2, r))} key(s), so the commit drops the window")
+
+
+def _explain_revoke(m: z3.ModelRef, rn: Run) -> str:
+    s = rn.states[1]
+    hits = [as_int(m, h) for h in s.H[:as_int(m, s.N)]]
+    return (f"the ranks decide differently whether to revoke: synced hits {hits}; a rank with 0 revokes the prefetch "
+            "alone after the hit query while the others stage and fetch (F7: their ACKs then pair with the next "
+            "request's)")
 
 
 def _layout(m: z3.ModelRef, rn: Run, at: int, r: int) -> str:
@@ -1122,6 +1291,7 @@ def _obligations() -> tuple[Obligation, ...]:
     aligned = _and(same_sets, one_policy, all_registered)
     t5_any = _and(_no_mismatch_at(AT_HIT_QUERY), _no_mismatch_at(AT_VOTE), _no_mismatch_at(AT_REDUCE))
     committed_same = _and(same_sets, one_policy)
+    same_0523 = _and(committed_same, no_host_pressure)
     any_n = "for any progress vector of up to 8 ranks"
     return (
         # the storage-hit MIN
@@ -1139,16 +1309,25 @@ def _obligations() -> tuple[Obligation, ...]:
         ob("sync_prefetch_hit_query.aligned_0523.transfer_sets_differ",
            "upstream_0523: a rank with a sidecar transfer packs R + 1 flags, a rank without one packs [hit]: the hit "
            "query is mismatched (T5 remains in 0.5.23; inferred from its _sync_prefetch_hit_query)",
-           _check(v0523, _no_mismatch_at(AT_HIT_QUERY), _explain_mismatch, premise=all_registered, pin=_small),
+           _check(v0523, _no_mismatch_at(AT_HIT_QUERY), _explain_mismatch, premise=all_registered, pin=_s10_shape),
            "sync_prefetch_hit_query.aligned_0523"),
+        ob("sync_prefetch_hit_query.revoke_agreed_0523",
+           f"D2, upstream_0523, {any_n}: after the hit query every rank's synced hit is 0 or none is, the check is "
+           "revoked exactly when it is 0 (on every rank, before any IO), and a revoked check stages nothing",
+           _check(v0523, _revoke_agreed, _explain_revoke)),
+        ob("sync_prefetch_hit_query.revoke_agreed_0523.no_sync",
+           "upstream_0523 without the storage-hit MIN: a rank whose own hit is 0 would revoke alone while another "
+           "stages and fetches", _check(v0523, _revoke_agreed, _explain_revoke, twist=Twist(no_hit_sync=True),
+                                        pin=_own_hits), "sync_prefetch_hit_query.revoke_agreed_0523"),
         # the IO threads
         ob("page_transfer.sidecars_after_full",
-           f"T3, upstream_27264, {any_n}: a rank records SWA hits only once every Full page up to the synced hit "
-           "completed, and at most one per key (keys: the last min(window, hit) page hashes)",
+           f"T3, upstream_27264, {any_n}: a rank records SWA hits only once every Full page up to its target (the "
+           "synced hit) completed, and at most one per key (keys: the last min(window, target) page hashes)",
            _check(up, _sidecars_after_full, _explain_sidecars)),
         ob("page_transfer.sidecars_after_full_0523",
-           f"T3, upstream_0523, {any_n}: the same for 0.5.23's IO thread", _check(v0523, _sidecars_after_full,
-                                                                                    _explain_sidecars)),
+           f"T3, upstream_0523, {any_n}: the same for 0.5.23's IO thread, whose target is the synced hit or the "
+           "fewer Full pages it staged (F6), into the window buffer staged at hit time",
+           _check(v0523, _sidecars_after_full, _explain_sidecars)),
         ob("page_transfer.sidecars_after_full.no_full_guard",
            "an IO thread that fetches the SWA window whether or not every Full page completed records hits for a "
            "window that does not end where its Full prefix does",
@@ -1215,16 +1394,24 @@ def _obligations() -> tuple[Obligation, ...]:
            _check(pre, _same_tree, _explain_tree, premise=committed_same, pin=_swa_only),
            "handle_prefetch_result.same_tree"),
         ob("handle_prefetch_result.same_tree_0523",
-           f"T1, upstream_0523, {any_n} with the same transfer set and policy on every rank: every rank commits the "
-           "same tree", _check(v0523, _same_tree, _explain_tree, premise=committed_same)),
+           f"T1, upstream_0523, {any_n} with the same transfer set and policy on every rank and no host pressure "
+           "(every rank stages the whole synced hit; without it: F6, twin .host_pressure): every rank commits the "
+           "same tree",
+           _check(v0523, _same_tree, _explain_tree, premise=same_0523)),
         ob("handle_prefetch_result.same_tree_0523.no_pool_sync",
            "upstream_0523 without the pool-hit MIN: one rank's SWA fetch missed a page, its all-or-nothing check "
            "discards while the other rank inserts",
-           _check(v0523, _same_tree, _explain_tree, premise=committed_same, twist=Twist(no_pool_sync=True),
+           _check(v0523, _same_tree, _explain_tree, premise=same_0523, twist=Twist(no_pool_sync=True),
                   pin=_swa_only), "handle_prefetch_result.same_tree_0523"),
+        ob("handle_prefetch_result.same_tree_0523.host_pressure",
+           "F6, upstream_0523 with one policy and one transfer set on every rank, but a rank short of Full host pages "
+           "at hit time: it stages fewer pages than the synced hit after the sync, its all-or-nothing check expects "
+           "its own length, and the ranks' trees differ",
+           _check(v0523, _same_tree, _explain_tree, premise=committed_same, pin=_f6),
+           "handle_prefetch_result.same_tree_0523"),
         ob("handle_prefetch_result.full_slots_conserved",
-           f"T4, upstream_27264, {any_n}: on every rank that commits, 0 <= prefix <= M <= completed <= synced hit <= "
-           "R, so the Full host pages split into freed / tree / release queue / IO thread",
+           f"T4, upstream_27264, {any_n}: on every rank that commits, 0 <= prefix <= M <= completed <= target (the "
+           "synced hit) and staged <= R, so the Full host pages split into freed / tree / release queue / IO thread",
            _check(up, _full_slots, _explain_full)),
         ob("handle_prefetch_result.full_slots_conserved.max_reduce",
            "the packed MIN replaced by MAX: a rank's tree takes Full pages it never loaded",
@@ -1262,14 +1449,33 @@ def _obligations() -> tuple[Obligation, ...]:
            _check(up, _whole_window, _explain_window, premise=committed_same, twist=Twist(partial_window=True),
                   pin=_partial), "commit_prefetch.whole_window"),
         ob("commit_prefetch.whole_window_0523",
-           f"T2, upstream_0523, {any_n}: attached only if every rank fetched every page of a full window (or, at the "
-           "root, of the whole shorter request)",
-           _check(v0523, _whole_window, _explain_window, premise=committed_same)),
+           f"T2, upstream_0523, {any_n}, without host pressure: attached only if every rank fetched every page of its "
+           "window buffer, a full window (or, at the root, a buffer as long as the whole inserted prefix: a request "
+           "or synced hit shorter than the window, D1)",
+           _check(v0523, _whole_window, _explain_window, premise=same_0523)),
+        ob("commit_prefetch.whole_window_0523.host_pressure",
+           "upstream_0523 with host pressure: a rank that staged fewer Full pages than the window shrinks its buffer "
+           "to its keys (_sync_trailing_keys), fetches them and attaches that short window at the root while the "
+           "other ranks did not fetch theirs whole (F6's kin)",
+           _check(v0523, _whole_window, _explain_window, premise=committed_same, pin=_host_short_root),
+           "commit_prefetch.whole_window_0523"),
         ob("commit_prefetch.whole_window_0523.partial_window",
-           "upstream_0523 with a commit that attaches on a synced count >= 1: a hit shorter than the window passes "
-           "the all-or-nothing check (count == its keys) and a partial window is attached",
+           "upstream_0523 with a commit that attaches on a synced count >= 1: a rank short of Full host pages stages "
+           "fewer than the window (F6), fetches only that many window keys, passes its all-or-nothing check (count "
+           "== its keys) and attaches a partial window",
            _check(v0523, _whole_window, _explain_window, premise=committed_same, twist=Twist(partial_window=True),
-                  pin=_short_hit), "commit_prefetch.whole_window_0523"),
+                  pin=_host_short), "commit_prefetch.whole_window_0523"),
+        ob("commit_prefetch.short_hit_at_root_0523",
+           f"D1, upstream_0523, {any_n}: at the root, with a synced hit of 1 page or more but shorter than the window, "
+           "one policy and one transfer set with SWA and no host pressure on every rank, and every page fetched: "
+           "every rank "
+           "commits the hit and attaches a window buffer of all of it (staged at hit time)",
+           _check(v0523, _short_hit_attached, _explain_short_hit, premise=short_hit_at_root)),
+        ob("commit_prefetch.short_hit_at_root_0523.staged_at_start",
+           "upstream_0523 with the window buffer staged before the hit (the whole window, as before 0.5.23): the "
+           "short hit fills only part of it and the commit drops a window that was whole",
+           _check(v0523, _short_hit_attached, _explain_short_hit, premise=short_hit_at_root,
+                  twist=Twist(staged_at_start=True), pin=_swa_only), "commit_prefetch.short_hit_at_root_0523"),
         ob("commit_prefetch.aligned_window",
            f"T3, upstream_27264, {any_n}: an attached window ends at the synced storage hit, so its pages hold the "
            "SWA KV of the positions they are attached at", _check(up, _aligned_window, _explain_aligned,

@@ -16,8 +16,12 @@ The phases follow kvproof's five operations (:mod:`kvproof.reference.tp_prefetch
 rank made (``torch.distributed.all_reduce`` is wrapped for the duration: 0.5.23 calls it as a module attribute,
 ``torch.distributed.all_reduce(...)``, managers/cache_controller.py:447 and mem_cache/unified_radix_cache.py:359/362).
 
-:func:`run_ranks` is a small self-contained launcher (spawned processes, a free loopback port, a bounded wait,
-every process killed and joined) until the shared harness replaces it.
+The lockstep suite drives the same worker through :class:`SGLangTPPrefetch` (``--impl
+kvproof.conformance.adapters.sglang_tp_prefetch:SGLangTPPrefetch``): one :class:`SGLangRank` per rank process of
+kvproof's shared harness (:mod:`kvproof.gpu_runtime._ranks`), the collectives named and projected there.
+:func:`run_ranks` is a small self-contained launcher (spawned processes, a free loopback port, a bounded wait, every
+process killed and joined) for scripted scenarios the suite does not draw (``fill_host``: another request's
+buffers, F7's two requests in flight, the Rust tree core, ``match_prefix`` under the consensus checker).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import os
 import queue as queue_mod
 import socket
+import threading
 import time
 import traceback
 from array import array
@@ -35,7 +40,55 @@ from typing import Any
 
 import torch
 
-__all__ = ["SGLangRankWorker", "run_ranks"]
+from kvproof.gpu_runtime import _ranks
+from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
+
+__all__ = ["SGLangRank", "SGLangRankWorker", "SGLangTPPrefetch", "SGLangTPPrefetchConsensus", "run_ranks"]
+
+#: this process's gloo groups for SGLang (the TP group, the controller's hits and completion groups, the harness's):
+#: built once per rank process, reused by every worker built there (gloo groups are not freed by garbage collection)
+_GROUPS: tuple[Any, Any, Any, Any] | None = None
+
+
+class _Checks:
+    """How many consensus checks SGLang's checker thread has completed in this process (observed by wrapping its
+    ``_check_for_consensus``, which exits the process on a divergence), so a call can wait for its own."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._done = threading.Condition()
+
+    def watch(self, rcc: Any) -> None:
+        real = rcc._check_for_consensus
+
+        def check(events: list[str]) -> None:
+            real(events)
+            with self._done:
+                self.value += 1
+                self._done.notify_all()
+
+        rcc._check_for_consensus = check
+
+    def wait_beyond(self, seen: int, timeout_s: float) -> None:
+        with self._done:
+            if not self._done.wait_for(lambda: self.value > seen, timeout=timeout_s):
+                raise RuntimeError(f"SGLang's rank-consensus checker did not check within {timeout_s:g} s")
+
+
+_CONSENSUS_CHECKS = _Checks()
+
+
+def _process_groups(ranks: list[int], bound: timedelta) -> tuple[Any, Any, Any, Any]:
+    """The four groups every worker of this process uses, each with the bounded timeout (``new_group`` does not
+    inherit ``init_process_group``'s); the barrier first lines the ranks up after their uneven SGLang imports."""
+    global _GROUPS
+    groups = _GROUPS
+    if groups is None:
+        torch.distributed.barrier()
+        tp, hits, completion, harness = (torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
+                                         for _ in range(4))
+        groups = _GROUPS = (tp, hits, completion, harness)
+    return groups
 
 class _HostSlots:
     """A page-granular host slot allocator standing in for one host pool's allocator (alloc / free / available_size).
@@ -115,6 +168,7 @@ class _Storage:
         self.pools: tuple[str, ...] = ()  # pools the existence query reports a verdict for
         self.result_cls: Any = None
         self.kv_reads = 0
+        self.written: dict[int, Any] = {}  # SWA host slot -> the key (page hash) fetched into it
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         return min(self.hit, len(keys))
@@ -133,6 +187,10 @@ class _Storage:
             n = len(t.keys or ())
             if str(t.name) == "swa":
                 out[str(t.name)] = [i not in self.swa_missing for i in range(n)]
+                page = len(t.host_indices) // n if n and t.host_indices is not None else 0
+                for i, ok in enumerate(out[str(t.name)]):
+                    for slot in (t.host_indices[i * page:(i + 1) * page].tolist() if ok and page else ()):
+                        self.written[int(slot)] = t.keys[i]
             else:
                 out[str(t.name)] = [not self.mamba_missing] * n
         return out
@@ -146,6 +204,12 @@ class _Recorder:
         self.calls: list[dict[str, Any]] = []
         self.silent: set[Any] = set()
         self.on_call: Any = None  # called with each call before it enters the collective (the launcher streams it)
+        #: on kvproof's shared rank harness (:mod:`kvproof.gpu_runtime._ranks`): every call is named there too (the
+        #: public ones in kvproof's layout through ``layout_of`` / ``project``; the rest, and all while ``internal``,
+        #: with a leading ``_``: reported, never compared)
+        self.ranks_harness = False
+        self.internal = False
+        self.layout_of: Any = None
         self._real = torch.distributed.all_reduce
 
     @contextlib.contextmanager
@@ -155,10 +219,12 @@ class _Recorder:
 
         def all_reduce(tensor: torch.Tensor, op: Any = torch.distributed.ReduceOp.SUM, group: Any = None,
                        async_op: bool = False) -> Any:
+            name = self.groups.get(group, f"unknown_group_{id(group)}")
+            if self.ranks_harness:
+                return self._named(real, name, tensor, op, group, async_op)
             if group in self.silent:
                 return real(tensor, op=op, group=group, async_op=async_op)
             values = [int(v) for v in tensor.flatten().tolist()]
-            name = self.groups.get(group, f"unknown_group_{id(group)}")
             kind = "min" if op == torch.distributed.ReduceOp.MIN else "max" if op == torch.distributed.ReduceOp.MAX \
                 else str(op)
             entry = {"name": name, "op": kind, "values": values, "result": None}
@@ -175,6 +241,22 @@ class _Recorder:
             yield self.calls
         finally:
             torch.distributed.all_reduce = real
+
+    def _named(self, real: Any, name: str, tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
+        """One call on kvproof's rank harness, named for it (``_ranks.naming``)."""
+        raw = tuple(int(v) for v in tensor.flatten().tolist())
+        public = not self.internal and group not in self.silent and self.project(
+            {"name": name, "op": "", "values": list(raw), "result": []}) is not None
+        if not public:
+            with _ranks.naming(f"_{name}"):
+                return real(tensor, op=op, group=group, async_op=async_op)
+
+        def project(values: tuple[int, ...]) -> tuple[int, ...]:
+            out = self.project({"name": name, "op": "", "values": list(values), "result": list(values)})
+            return tuple(out["values"]) if out is not None else values
+
+        with _ranks.naming(name, self.layout_of(name, project(raw)), project):
+            return real(tensor, op=op, group=group, async_op=async_op)
 
 
 class SGLangRankWorker:
@@ -219,11 +301,7 @@ class SGLangRankWorker:
         # init_process_group's, and the default group may carry a longer one for start-up); the barrier first lines
         # the ranks up after their (uneven) SGLang imports, so the groups' own connection never waits long.
         bound = timedelta(seconds=float(group.get("collective_timeout_s", 5.0)))
-        torch.distributed.barrier()
-        world = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
-        self.hits_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
-        self.completion_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
-        self.harness_group = torch.distributed.new_group(ranks, backend="gloo", timeout=bound)
+        world, self.hits_group, self.completion_group, self.harness_group = _process_groups(ranks, bound)
         self.tp_group = world
         params = cip.CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                      page_size=ps, sliding_window_size=self.W, tp_cache_group=world,
@@ -236,6 +314,7 @@ class SGLangRankWorker:
         # What init_hicache (unified_radix_cache.py:455) would have set, without its HybridCacheController.__init__
         # (which starts IO threads and attaches a real storage backend).
         self.swa._swa_kv_pool_host = self.swa_host
+        cache.components[self.CT.FULL]._full_kv_pool_host = self.full_host  # evicted Full host values come back here
         cache.host_pool_group = host
         cc = self.cc = object.__new__(hcc.HybridCacheController)
         cc.page_size = ps
@@ -268,7 +347,9 @@ class SGLangRankWorker:
             import types
 
             (rcc,) = import_sglang_modules("sglang.srt.utils.rank_consensus_checker")
-            rcc.configure([types.SimpleNamespace(cpu_group=world)])
+            if not rcc.enabled():  # once per process: the checker's thread and groups serve every worker here
+                rcc.configure([types.SimpleNamespace(cpu_group=world)])
+                _CONSENSUS_CHECKS.watch(rcc)
             self.recorder.silent.update(rcc._sync_groups)
             self.rcc = rcc
         self.tokens = list(range(1000, 1000 + (self.max_pages + 1) * ps))
@@ -468,7 +549,17 @@ class SGLangRankWorker:
             op.hash_value = hash_value[: synced // self.P]
             op.storage_hit_count = synced
             cc.prefetch_hit_queue.put(op)
-            self.cache.drain_storage_control_queues()
+            free = getattr(self.progress, "host_free_pages", None)
+            pinned = self._pin_host(free)
+            path = self._nodes()[-1]["id"] if free is not None and self._nodes() else None
+            lock = self.cache.inc_host_lock_ref(path).to_dec_params() if path is not None else None
+            try:  # the hit-time staging sees only the rank's free host pages (rank-local pressure: F6); the path is
+                self.cache.drain_storage_control_queues()  # in use (locked): kvproof models no host eviction
+            finally:
+                if lock is not None:
+                    self.cache.dec_host_lock_ref(path, lock)
+                if pinned is not None:
+                    self.full_host.free(pinned)
             out = {"local_hit": count // self.P, "synced_hit": synced // self.P,
                    "revoked": not self._ongoing(), "query_pool_hit_pages": {str(k): v for k, v in
                                                                             op.query_pool_hit_pages.items()}}
@@ -480,6 +571,19 @@ class SGLangRankWorker:
             return out
         return self._phase(run)
 
+    def _pin_host(self, free_pages: int | None) -> torch.Tensor | None:
+        """Hold all but ``free_pages`` of the free Full host pages (another request's buffers) for the staging."""
+        if free_pages is None:
+            return None
+        extra = self.full_host.available_size() // self.P - free_pages
+        return self.full_host.alloc(extra * self.P) if extra > 0 else None
+
+    def _io_finishes(self) -> bool:
+        """The rank's IO thread finishes at this check: it is done, or it has nothing left once its Full pages are in
+        (no sidecar transfer; the reference's ``IOResult.finished``)."""
+        p = self.progress
+        return bool(p.io_done or (not p.transfers and p.full_pages >= len(self.op.hash_value)))
+
     def page_transfer(self) -> dict[str, Any]:
         """The IO aux thread (cache_controller.py:1247-1267): the real ``_page_transfer_with_stable_layout``
         (hybrid_cache_controller.py:1608: KV batches, one completed-tokens ACK each, then ``_page_transfer_sidecar``
@@ -488,7 +592,7 @@ class SGLangRankWorker:
         def run() -> dict[str, Any]:
             if self.handle is None or self.io_ran or self.op.host_indices is None:
                 return {"ran": False}
-            if not self.progress.io_done:
+            if not self._io_finishes():
                 return {"ran": False, "in_flight": True}
             op, cc = self.op, self.cc
             try:
@@ -591,13 +695,15 @@ class SGLangRankWorker:
                     "rid": self.handle.rid}
         return self._phase(run)
 
-    def finish_io(self) -> dict[str, Any]:
-        """Let an IO thread still in flight end (its prefetch was terminated or is waiting): the real IO sees
-        ``is_terminated`` and stops; its ACKs are reduced (lockstep, as :meth:`reduce_prefetch_ack`) and drained, so
-        the slots it owns come back (``_drain_ack_prefetch`` on ``completed_req``). Not a kvproof operation."""
+    def finish_io(self, only_terminated: bool = False) -> dict[str, Any]:
+        """Let an IO thread still in flight end (its prefetch was terminated or, unless ``only_terminated``, is
+        waiting): the real IO sees ``is_terminated`` and stops; its ACKs are reduced (lockstep, as
+        :meth:`reduce_prefetch_ack`) and drained, so the slots it owns come back (``_drain_ack_prefetch`` on
+        ``completed_req``). Not a kvproof operation; every rank calls it (the ACK reduction is collective)."""
         def run() -> dict[str, Any]:
             ran = False
-            if self.handle is not None and not self.io_ran and self.op.host_indices is not None:
+            if self.handle is not None and not self.io_ran and self.op.host_indices is not None and not (
+                    only_terminated and self._ongoing()):
                 try:
                     self.cc._page_transfer_with_stable_layout(self.op)
                 finally:
@@ -625,9 +731,10 @@ class SGLangRankWorker:
         def run() -> dict[str, Any]:
             from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
+            done = _CONSENSUS_CHECKS.value if self.consensus else 0
             res = self.cache.match_prefix(MatchPrefixParams(key=self._key(0, len(self.tokens))))
-            if self.consensus:  # let the checker's worker thread compare this event with the peers' before replying
-                time.sleep(2.0)
+            if self.consensus:  # the checker's worker thread compares this event with the peers' before the reply
+                _CONSENSUS_CHECKS.wait_beyond(done, timeout_s=30.0)
             return {"device_prefix": int(res.device_prefix_len), "host_hit_length": int(res.host_hit_length),
                     "swa_host_hit_length": int(getattr(res, "swa_host_hit_length", 0))}
         return self._phase(run)
@@ -724,6 +831,188 @@ class SGLangRankWorker:
                 "swa_capacity": self.swa_host.size // ps, "swa_free": self.swa_host.available_size() // ps,
                 "swa_in_tree": swa_tree // ps, "swa_held": held_swa // ps,
                 "ongoing": self._ongoing(), "pending_acks": self.cc.prefetch_sync_queue.qsize()}
+
+
+# ---------------------------------------------------------------- the lockstep suite's implementation
+
+
+def _kvproof_layout(name: str, values: tuple[int, ...]) -> tuple[str, ...]:
+    """kvproof's slot names for a projected call (``kvproof.reference.tp_prefetch``'s packed layouts)."""
+    pools = ("kv", "mamba", "swa")
+    if name == "sync_prefetch_hit_query":
+        head = len(values) - len(pools)
+        return (("hit",) if head == 1 else tuple(f"flag_{i}" for i in range(head))) + pools
+    if name == "can_terminate_prefetch":  # 0.5.23's vote: the MAX of the timeout ranks' deadlines
+        return ("deadline",)
+    return ("completed",) if len(values) == 1 else pools
+
+
+class SGLangRank:
+    """One rank of SGLang 0.5.23's TP prefetch as kvproof's contract sees it (``TPPrefetchRank``'s methods), built in a
+    rank process of kvproof's shared harness (:mod:`kvproof.gpu_runtime._ranks`) by :class:`SGLangTPPrefetch`.
+
+    Each method runs the :class:`SGLangRankWorker` phase of the same name (SGLang's own code) and reports what it
+    observes, never what kvproof's model says it should be: the collectives as SGLang made them (projected onto
+    kvproof's layout, ``_``-named where kvproof has no such collective), the decision (the vote, or every IO thread
+    finished: the ACK drain then completes the prefetch), and the commit read back from the real tree and host
+    pools (which staged slots a node holds, which SWA key the stand-in storage wrote into an attached slot, where
+    the insert and the commit split a node, whether the SWA commit walked the path or returned at its
+    all-or-nothing check). Python tree core only: the Rust core hands out no slot values.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, group: Any, rank_consensus: bool = False,
+                 collective_timeout_s: float = 3.0) -> None:
+        spec = {"page_size": group.page_size, "sliding_window": group.sliding_window,
+                "anchor_is_root": group.anchor_is_root, "max_request_pages": group.max_request_pages,
+                "existing": [(n.length, n.swa_host) for n in group.existing], "tree_core": "python",
+                "rank_consensus": rank_consensus, "collective_timeout_s": collective_timeout_s}
+        self.w = SGLangRankWorker(spec, rank, world_size)
+        self.w.recorder.ranks_harness, self.w.recorder.layout_of = True, _kvproof_layout
+        self.P = self.w.P
+        self.walked: bool | None = None  # the latest SWA commit: walked the path (True) or returned early (False)
+        self._watch_swa_commit()
+
+    def _watch_swa_commit(self) -> None:
+        """Observe the real ``_commit_prefetch``: it walked the path unless it released the buffer tensor itself."""
+        swa = self.w.swa
+        real_commit, real_release = swa._commit_prefetch, swa._release_swa_host
+        buffer: list[Any] = []
+
+        def commit(anchor: Any, transfers: Any, **kwargs: Any) -> Any:
+            buffer[:] = [transfers[0].host_indices] if transfers else []
+            self.walked = bool(transfers)
+            return real_commit(anchor, transfers, **kwargs)
+
+        def release(host_indices: Any, cache_actions: Any) -> Any:
+            if buffer and host_indices is buffer[0]:
+                self.walked = False
+            return real_release(host_indices, cache_actions)
+
+        swa._commit_prefetch, swa._release_swa_host = commit, release
+
+    # ------------------------------------------------------------ the contract's operations
+
+    def initial_state(self, request_pages: int, progress: Any) -> None:
+        self.w.initial_state(request_pages, progress)
+        self.walked = None
+
+    def sync_prefetch_hit_query(self) -> dict[str, Any]:
+        out = self.w.sync_prefetch_hit_query()
+        if out.get("skipped"):  # a continued check (or a rank that never registered): no hit query
+            return {"synced_hit": 0, "revoked": False}
+        return {"synced_hit": int(out["synced_hit"]), "revoked": bool(out["revoked"])}
+
+    def page_transfer(self) -> None:
+        self.w.page_transfer()
+
+    def can_terminate_prefetch(self) -> bool:
+        """The vote as SGLang takes it, or the ACK drain's completion: every rank's IO thread finished (learnt here
+        through an internal MIN, as the drain learns it when it applies the last ACK)."""
+        vote = bool(self.w.can_terminate_prefetch().get("proceeds"))
+        mine = int(self.w._ongoing() and (self.w.io_ran or self.w._io_finishes()))
+        flag = torch.tensor([mine], dtype=torch.int64)
+        with _ranks.naming("_ack_drain"):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.w.harness_group)
+        return self.w._ongoing() and (vote or bool(flag.item()))
+
+    def reduce_prefetch_ack(self) -> None:
+        self.w.reduce_prefetch_ack()
+
+    def handle_prefetch_result(self) -> Any:
+        """The real scheduler step, then the IO threads of terminated prefetches run out and their ACKs drain
+        (internal collectives: kvproof's reference drains the release queue and the IO thread by the end of a
+        check); the commit as observed."""
+        from kvproof.reference.tp_prefetch import RankCommit, SlotOwner, TreeNode
+
+        w = self.w
+        info = w.cache.ongoing_prefetch.get(w.handle) if w.handle is not None else None
+        staging = w._staging(info)
+        before = [(n["length"], n["swa_host"]) for n in w._nodes()]
+        out = w.handle_prefetch_result()
+        w.recorder.internal = True
+        try:
+            w.finish_io(only_terminated=True)
+        finally:
+            w.recorder.internal = False
+        p, nodes = self.P, w._nodes()
+        held = bool(out.get("commit") is None)
+        full_pages, swa_pages = staging["full"][::p], staging["swa"][::p]
+        if held:  # still waiting: its staging is the prefetch's
+            return RankCommit(nodes=tuple(TreeNode(length=n, swa_host=s) for n, s in before), prefix_len=0,
+                              total_len=0, attached=False, discarded=False, insert_split=None, swa_split=None,
+                              full_slots=(SlotOwner.HELD,) * len(full_pages),
+                              swa_slots=(SlotOwner.HELD,) * len(swa_pages), written_after_release=())
+        commit = out["commit"]
+        full_in_tree = set().union(*(n["full_vals"] for n in nodes))
+        swa_in_tree = set().union(*(n["swa_vals"] for n in nodes))
+        swa_page = {slot: i for i, first in enumerate(swa_pages) for slot in range(first, first + p)}
+        keys = list(w.op.hash_value)
+        tree_nodes, ends, pos = [], set(), 0
+        for n in nodes:
+            attached = sorted({swa_page[s] for s in n["swa_vals"] if s in swa_page})
+            first = min(n["swa_vals"]) if attached else None
+            key = w.storage.written.get(first) if first is not None else None
+            tree_nodes.append(TreeNode(length=n["length"], swa_host=n["swa_host"],
+                                       inserted=bool(n["full_vals"] & set(staging["full"])),
+                                       swa_pages=tuple(attached),
+                                       swa_from=keys.index(key) * p if key in keys else None))
+            pos += n["length"]
+            ends.add(pos)
+        old = {sum(n for n, _ in before[:i + 1]) for i in range(len(before))}
+        total, old_end = int(commit["total_len"]), sum(n for n, _ in before)
+        window = len(swa_pages)
+        start = total - window * p
+        new = ends - old
+        return RankCommit(
+            nodes=tuple(tree_nodes), prefix_len=int(commit["prefix_len"]), total_len=total,
+            attached=bool(self.walked), discarded=bool(commit["discarded"]),
+            insert_split=total if total in new and total < old_end else None,
+            swa_split=start if self.walked and start > 0 and start in new and start != total else None,
+            full_slots=tuple(SlotOwner.TREE if s in full_in_tree else SlotOwner.FREED for s in full_pages),
+            swa_slots=tuple(SlotOwner.TREE if s in swa_in_tree else SlotOwner.FREED for s in swa_pages),
+            written_after_release=())
+
+    def snapshot(self) -> Any:
+        """The rank's path and host pools: capacity is the pool less the anchor's page (outside the path); a slot
+        neither free, in the tree nor held by the prefetch in progress (an IO thread's, a leak) breaks conservation."""
+        from kvproof.reference.tp_prefetch import HostNode, RankSnapshot
+
+        if self.w.consensus:  # SGLang's own checker compares the ranks' view of the tree (it exits both on a
+            self.w.match_prefix()  # divergence: the harness sees the ranks die)
+        snap = self.w.snapshot()
+        anchor = 0 if self.w.anchor_is_root else 1
+        return RankSnapshot(nodes=tuple(HostNode(length=n, swa_host=bool(s)) for n, s in snap["nodes"]),
+                            full_capacity=snap["full_capacity"] - anchor, full_free=snap["full_free"],
+                            full_in_tree=snap["full_in_tree"], full_held=snap["full_held"],
+                            swa_capacity=snap["swa_capacity"], swa_free=snap["swa_free"],
+                            swa_in_tree=snap["swa_in_tree"], swa_held=snap["swa_held"])
+
+
+class SGLangTPPrefetch(TPPrefetchRuntime):
+    """SGLang 0.5.23's real prefetch sync and commit path as a ``tp_prefetch`` implementation: :class:`SGLangRank` in
+    each rank process of kvproof's shared harness (gloo on loopback, a bounded timeout on every collective), driven
+    by the lockstep suite against the ``upstream_0523`` reference (``--impl
+    kvproof.conformance.adapters.sglang_tp_prefetch:SGLangTPPrefetch``). Who releases a slot (freed at once, the
+    release queue, the IO thread) all ends in the same drains here: it declares no ``SLOT_RELEASE_PATHS``."""
+
+    capabilities = frozenset()
+    worker = "kvproof.conformance.adapters.sglang_tp_prefetch:SGLangRank"
+    purpose = "sglang"
+    start_seconds = 90.0  # each rank imports SGLang and builds its cache when its worker is built
+    version = "sglang 0.5.23"
+    rank_consensus = False
+
+    def worker_options(self) -> dict[str, Any]:
+        return {"rank_consensus": self.rank_consensus, "collective_timeout_s": self.collective_timeout}
+
+
+class SGLangTPPrefetchConsensus(SGLangTPPrefetch):
+    """:class:`SGLangTPPrefetch` with SGLang's own rank-consensus checker switched on
+    (``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER=1``): every snapshot runs the real ``match_prefix`` on each rank, whose
+    ``@rank_consensus`` the checker compares across ranks in its own thread; on a divergence it exits every rank."""
+
+    purpose = "sglang-consensus"
+    rank_consensus = True
 
 
 # ---------------------------------------------------------------- a small launcher (replaced by the shared harness)

@@ -84,6 +84,19 @@ def test_ranks_with_different_transfer_sets_mismatch_t5_within_the_bound() -> No
     assert seconds < 600
 
 
+def test_host_pressure_breaks_t1_under_upstream_0523_f6_shrunk() -> None:
+    """F6 (docs/sglang-findings.md): ranks that agree on everything but their free host memory at hit time stage
+    different lengths after the sync; the completed MIN then matches one rank's expectation and not the other's, so
+    one rank inserts while the other discards. Found on real ranks and shrunk to one check."""
+    report = run_check("tp_prefetch", TPPrefetchRuntime, PAIR, profile="ci", impl_name="runtime", failures_dir=None,
+                       ranks="host_pressure")
+    failure = report.failure or ""
+    assert "the upstream_0523 protocol breaks [T1]" in failure, failure
+    assert "known finding: F6" in failure and "host pages free" in failure
+    assert _steps(failure) == ["initial_state", "page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack",
+                               "handle_prefetch_result"]
+
+
 # ---------------------------------------------------------------- mutants
 
 #: What the kill's evidence line must say, per mutant.
@@ -91,7 +104,7 @@ EVIDENCE: dict[str, str] = {
     "min_as_max": r"collective \w+: rank \d passed MAX",
     "local_ack_value": r"^handle_prefetch_result: rank \d's commit differs",
     "swa_hits_not_written_back": r"^handle_prefetch_result: rank \d's commit differs",
-    "attach_partial_window": r"^handle_prefetch_result: rank \d's commit differs in nodes, attached",
+    "attach_partial_window": r"^handle_prefetch_result: rank \d's commit differs in (nodes, )?attached",
     "release_attached_slot": r"^rank \d: swa host pool: \d+ free \+ \d+ in the tree \+ \d+ held != capacity",
     "split_one_page_late": r"^handle_prefetch_result: rank \d's commit differs in nodes, swa_split",
     "last_rank_skips_ack": r"^reduce_prefetch_ack: mismatched collective: implementation mismatched collective "

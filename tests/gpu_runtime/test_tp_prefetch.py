@@ -41,42 +41,52 @@ def _nothing_left(no_rank_left: None) -> None:
 
 
 def check(runtime: TPPrefetchRuntime, g: tp.TPPrefetchGroup, path: tuple[HostNode, ...], r: int,
-          ranks: list[RankProgress]) -> tp.PrefetchState:
-    """One check on both sides, compared operation by operation; the reference's final state."""
-    state = tp.initial_state(g.check_config(r, path), ranks)
+          ranks: list[RankProgress], continues: tp.PrefetchState | None = None) -> tp.PrefetchState:
+    """One check on both sides (``continues``: the waiting check it continues), compared operation by operation; the
+    reference's final state."""
+    state = tp.initial_state(g.check_config(r, path), ranks, continues=continues)
     runtime.initial_state(r, ranks)
     for op in OPS:
         before = state
         state = getattr(tp, op)(state)
         got = getattr(runtime, op)()
         assert got.compared() == tp.phase_report(op, before, state).compared(), op
-        if state.phase in (Phase.WAITING, Phase.MISMATCHED):
+        if state.phase in (Phase.WAITING, Phase.MISMATCHED, Phase.REVOKED):
             break
     return state
 
 
 def random_progress(rnd: random.Random, r: int, window: int, policy: TerminationPolicy) -> RankProgress:
     missing = tuple(sorted(rnd.sample(range(window), rnd.randint(0, min(1, window)))))
-    return RankProgress(storage_hit=rnd.randint(0, r), full_pages=rnd.randint(0, r), io_done=rnd.random() < 0.7,
+    hit = 0 if rnd.random() < 0.05 else rnd.randint(1, r)  # a synced hit of 0 revokes the prefetch (0.5.23)
+    return RankProgress(storage_hit=hit, full_pages=rnd.randint(0, r), io_done=rnd.random() < 0.7,
                         deadline_passed=rnd.random() < 0.5, policy=policy, transfers=(PoolName.SWA,),
                         swa_missing=missing)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_the_runtime_agrees_with_the_reference_on_random_checks(n: int) -> None:
-    """60 checks of prefetches on a growing host path: every collective, decision and commit as the reference's; the
-    paths equal across ranks and to the reference's, every host slot accounted for."""
+    """60 checks of prefetches on a growing host path (continued after a wait, some revoked): every collective,
+    decision and commit as the reference's; the paths equal across ranks and to the reference's, every host slot
+    accounted for."""
     g = group(n)
     runtime = TPPrefetchRuntime(g, collective_timeout=TIMEOUT)
     assert isinstance(runtime, TPPrefetchUnderTest) and Component.TP_PREFETCH in runtime.components
     rnd = random.Random(n)
-    path, pending, committed = g.existing, None, 0
+    path, waiting, committed, revoked = g.existing, None, 0, 0
     for _ in range(60):
-        r = pending or rnd.randint(max(g.path_pages(path), 1), g.max_request_pages)
+        r = waiting.config.request_pages if waiting else rnd.randint(max(g.path_pages(path), 1), g.max_request_pages)
         window = g.sw_pages if r >= g.sw_pages else r
-        policy = rnd.choice(list(TerminationPolicy))
-        state = check(runtime, g, path, r, [random_progress(rnd, r, window, policy) for _ in range(n)])
-        pending = r if state.phase is Phase.WAITING else None
+        policy = waiting.ranks[0].progress.policy if waiting else rnd.choice(list(TerminationPolicy))
+        ranks = [random_progress(rnd, r, window, policy) for _ in range(n)]
+        if waiting:  # the same request continues: what the storage answered stays, the pace only moves on
+            ranks = [w.progress if w.progress.io_done else q.model_copy(update={
+                "storage_hit": w.progress.storage_hit, "full_pages": max(q.full_pages, w.progress.full_pages),
+                "deadline_passed": q.deadline_passed or w.progress.deadline_passed})
+                for q, w in zip(ranks, waiting.ranks, strict=True)]
+        state = check(runtime, g, path, r, ranks, waiting)
+        waiting = state if state.phase is Phase.WAITING else None
+        revoked += state.phase is Phase.REVOKED
         if state.phase is Phase.COMMITTED:
             committed += 1
             tp.check_tp_prefetch(state)
@@ -84,7 +94,7 @@ def test_the_runtime_agrees_with_the_reference_on_random_checks(n: int) -> None:
         for rank in runtime.snapshot().ranks:
             assert rank.nodes == path
             assert rank.conservation_problem(g.page_size) is None
-    assert committed >= 20
+    assert committed >= 20 and revoked >= 1
 
 
 def test_s10_on_real_ranks_under_pre_27264() -> None:

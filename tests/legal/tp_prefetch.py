@@ -13,10 +13,22 @@ shared process harness ``kvproof.gpu_runtime._ranks`` (N rank processes over a r
 * its two **host pools** (Full: ``2 * max_request_pages`` pages, SWA: ``max_request_pages + max(sw_pages,
   max_request_pages)``) as free lists of page ids (:class:`~tests.legal.swa_allocator._Pool`, the page-reuse
   policy);
-* the **prefetch in progress** (:class:`_Prefetch`): its ``R`` Full host pages and its window buffer (held from
-  registration to its commit), the rank's progress, and what each operation derived (synced hit, the IO thread's
-  result, the decision, the reduced counts). The IO thread writes into each SWA buffer slot the token position
-  whose KV it fetched (:attr:`RankWorker.swa_data`); the commit reads it back (``swa_from``).
+* the **prefetch in progress** (:class:`_Prefetch`): its staged Full host pages and its window buffer, the rank's
+  progress, and what each operation derived (synced hit, the IO thread's result, the decision, the reduced
+  counts). The IO thread writes into each SWA buffer slot the token position whose KV it fetched
+  (:attr:`RankWorker.swa_data`); the commit reads it back (``swa_from``).
+
+**Staging** (docs/contract.md): before 0.5.23 a registered rank takes ``R`` Full pages and its window keys' SWA
+pages at ``initial_state``; 0.5.23 takes nothing there and stages right after the hit-query MIN: a synced hit
+``h = 0`` revokes (the rank drops the prefetch; the group reports ``revoked``), else ``min(h, host_free_pages)``
+Full pages and ``min(window keys, h)`` SWA pages. The IO thread's *target* is ``min(h, staged)``; 0.5.23's IO
+thread shrinks a buffer longer than its SWA keys (F6) and releases the tail. The buffers are held until the commit
+on a proceeding rank; the snapshot reports them as ``full_held`` / ``swa_held``. **Continuation**: the group
+remembers the request whose check ended ``waiting``; the next ``initial_state`` must repeat it (storage hits,
+policies, transfer sets, registration, host capacity: else :class:`~kvproof.reference.errors.InvalidOperation`)
+and each rank keeps its synced hit and buffers, so its hit query makes no collective. **0.5.23's ACK**: a rank
+that learned (ACK drain) that some IO thread is still running reduces nothing and takes 0 completed, 0 per pool,
+transfers not done.
 
 Each operation packs this rank's vector, calls a real ``torch.distributed.all_reduce`` of an ``int64`` tensor named
 with ``_ranks.naming(op, slots)``, and unpacks the result; a rank that the protocol leaves out of a collective
@@ -39,7 +51,9 @@ buffer page; Mamba: 1, and ``min(1, hit)`` after); a rank's IO ``terminated`` (t
 thread; 0.5.23 discards only a prefetch with transfers (Full: ``[0, m)`` on the release queue, the rest the IO
 thread's; SWA: the release queue if the pool ACK was applied or ``best_effort_release``, else the IO thread's),
 and a kept one's Full tail past ``m`` is the IO thread's; ``written_after_release`` is every in-flight page the
-IO thread does not own.
+IO thread does not own. Hit-time staging, revoke, continuation and the ACK rule (written from the contract)
+passed the default run at once; under ``--ranks mixed`` / ``host_pressure`` the first run missed 0.5.23's shrink of
+a window buffer longer than the SWA keys (``swa_held`` stayed at ``min(window keys, h)``).
 
 Host page ids and their reuse order are the only freedom (docs/contract.md): :func:`fifo` (released pages at
 the back of the free list), :func:`lifo` (at the front), :func:`randomized` (each at a seeded random place).
@@ -62,6 +76,7 @@ import torch.distributed as dist
 
 from kvproof.gpu_runtime import _ranks
 from kvproof.reference.contract import Capability
+from kvproof.reference.errors import InvalidOperation
 from kvproof.reference.registry import Component
 from kvproof.reference.tp_prefetch import (
     COMPONENT_ORDER,
@@ -116,13 +131,15 @@ class _Node:
 
 @dataclass
 class _Prefetch:
-    """The prefetch this rank registered: its buffers (held until the commit) and what each operation derived."""
+    """The prefetch this rank registered: its buffers (held from the staging until the commit) and what each
+    operation derived."""
 
     r: int
-    full: list[int]  # R Full host pages (page i holds request page i)
+    full: list[int]  # the staged Full host pages (page i holds request page i): R, or 0.5.23 min(hit, free)
     window: list[int]  # the window buffer's SWA host pages
     progress: RankProgress
     synced_hit: int = 0
+    queried: bool = False  # the hit query was made (a continued check makes none)
     completed: int = 0  # Full pages its IO thread completed
     reached: bool = False  # all Full pages completed: the sidecar step ran (or runs)
     finished: bool = False  # the IO thread ended (pool_transfers_done)
@@ -177,6 +194,19 @@ class RankWorker:
             return r
         return self.sw_pages
 
+    @property
+    def _target(self) -> int:
+        """The Full pages the IO thread fetches: the synced hit, or fewer where 0.5.23 staged fewer (F6)."""
+        assert self.pf is not None
+        return min(self.pf.synced_hit, len(self.pf.full))
+
+    def _release_prefetch(self) -> None:
+        """Give back the buffers of a prefetch this rank still holds (a new request after a check it did not commit)."""
+        if self.pf is not None:
+            self.full_pool.release(self.pf.full)
+            self.swa_pool.release(self.pf.window)
+            self.pf = None
+
     def _take(self, pool: _Pool, k: int) -> list[int]:
         pages = pool.take(k)
         if len(pages) != k:
@@ -185,20 +215,30 @@ class RankWorker:
 
     # ------------------------------------------------------------ the operations
 
-    def start(self, r: int, progress: RankProgress) -> None:
-        """Register the prefetch (take its buffers), or continue the one this rank holds with new progress."""
-        if self.pf is not None:  # the check before ended waiting: same request, same buffers
-            self.pf = _Prefetch(self.pf.r, self.pf.full, self.pf.window, progress)
+    def start(self, r: int, progress: RankProgress, continues: bool) -> None:
+        """Register the prefetch, or (``continues``: the check before ended waiting) continue the one this rank holds
+        with new progress: the same request, synced hit and buffers. Before 0.5.23 the buffers are staged here."""
+        if continues:
+            if self.pf is not None:
+                pf = self.pf
+                self.pf = _Prefetch(pf.r, pf.full, pf.window, progress, synced_hit=pf.synced_hit, queried=True)
             return
+        self._release_prefetch()
         if not progress.registered:
+            return
+        if self.v0523:  # staged at hit time
+            self.pf = _Prefetch(r, [], [], progress)
             return
         self.pf = _Prefetch(r, self._take(self.full_pool, r),
                             self._take(self.swa_pool, self._window_pages(r, progress)), progress)
 
-    def sync_prefetch_hit_query(self) -> None:
+    def sync_prefetch_hit_query(self) -> str | None:
+        """The storage-hit MIN; 0.5.23 then stages (or revokes: ``"revoked"``). A continued check makes none."""
         pf = self.pf
         if pf is None:
-            return
+            return None
+        if pf.queried:
+            return "queried"
         hit = min(pf.progress.storage_hit, pf.r)
         if self.v0523:
             verdicts = [hit if pool is KV or pool in pf.progress.transfers else NO_POOL_VERDICT for pool in POOL_ORDER]
@@ -214,26 +254,38 @@ class RankWorker:
                 synced = _reduce("sync_prefetch_hit_query", ReduceOp.MIN, [hit] + verdicts, ["hit"] + names)[0]
         else:
             synced = _reduce("sync_prefetch_hit_query", ReduceOp.MIN, [hit], ["hit"])[0]
-        pf.synced_hit = synced
+        pf.synced_hit, pf.queried = synced, True
+        if self.v0523:
+            if synced == 0:  # below the prefetch threshold: revoked on every rank, nothing staged
+                self.pf = None
+                return "revoked"
+            free = pf.progress.host_free_pages
+            staged = synced if free is None else min(synced, free)
+            pf.full = self._take(self.full_pool, staged)
+            pf.window = self._take(self.swa_pool, min(self._window_pages(pf.r, pf.progress), synced))
+        return "queried"
 
     def page_transfer(self) -> None:
-        """The IO thread against the synced hit: Full pages, then (all of them done) the sidecar transfers."""
+        """The IO thread against its target: Full pages, then (all of them done) the sidecar transfers."""
         pf = self.pf
         if pf is None:
             return
-        prog, hit = pf.progress, pf.synced_hit
+        prog, hit = pf.progress, self._target
         pf.completed = min(prog.full_pages, hit)
         pf.reached = pf.completed == hit
         pf.finished = prog.io_done or (pf.reached and not prog.transfers)
-        # the keys are rewritten only when the sidecar step runs: the last min(n, hit) page hashes (Mamba: the
-        # checkpoint at the hit, none at hit 0); before that, the placeholders (one per buffer page; Mamba: one)
+        # the keys are rewritten only when the sidecar step runs: the last min(n, target) page hashes (Mamba: the
+        # checkpoint at the target, none at 0); before that, the placeholders (one per buffer page; Mamba: one)
         pf.keys = {pool: (len(pf.window) if pool is SWA else 1) for pool in prog.transfers}
         results: dict[PoolName, list[bool]] = {}
         if pf.reached:
             if SWA in prog.transfers:
                 k = pf.keys[SWA] = min(len(pf.window), hit)
+                if self.v0523 and k < len(pf.window):  # fewer keys than buffer pages (F6): shrink, release the tail
+                    self.swa_pool.release(pf.window[k:])
+                    pf.window = pf.window[:k]
                 results[SWA] = [j not in prog.swa_missing for j in range(k)]
-                for j in range(k):  # key j (request page hit - k + j) goes into buffer page j
+                for j in range(k):  # key j (request page target - k + j) goes into buffer page j
                     if j not in prog.swa_missing:
                         self.swa_data[pf.window[j]] = (hit - k + j) * self.p
                 if not prog.io_done:  # its writes are in flight
@@ -283,9 +335,11 @@ class RankWorker:
             return
         transfers = pf.progress.transfers
         if self.v0523:
+            pf.min_completed, pf.synced_hits, pf.transfers_done = 0, dict.fromkeys(transfers, 0), False
+            if not pf.all_finished:  # some IO thread is still in flight: no ACK to reduce, no collective at all
+                return
             pf.min_completed = _reduce("reduce_prefetch_ack", ReduceOp.MIN, [pf.completed], ["completed"])[0]
-            pf.synced_hits, pf.transfers_done = {}, False
-            if transfers and pf.all_finished:  # the pool-hit ACK: reduced once every rank's IO thread finished
+            if transfers:  # the pool-hit ACK
                 values = [pf.hits.get(pool, 0) for pool in POOL_ORDER]  # 0 for a pool it did not fetch (KV)
                 out = _reduce("reduce_prefetch_ack", ReduceOp.MIN, values, [pool.value for pool in POOL_ORDER])
                 pf.synced_hits = {pool: out[i] for i, pool in enumerate(POOL_ORDER) if pool in transfers}
@@ -314,7 +368,7 @@ class RankWorker:
                               swa_slots=(HELD,) * len(pf.window), written_after_release=())
         discarded, completed = False, pf.completed
         if self.v0523:  # _check_hybrid_prefetch_result: all or nothing (a hybrid prefetch: one with transfers)
-            usable = pf.min_completed == pf.synced_hit and all(
+            usable = pf.min_completed == self._target and all(
                 pf.synced_hits.get(pool, 0) == pf.keys[pool] for pool in pf.progress.transfers)
             discarded = bool(pf.progress.transfers) and not usable
             completed = pf.min_completed  # the IO thread releases the rank-local tail
@@ -324,7 +378,7 @@ class RankWorker:
         target = self._index_ending_at(total) if total else None
         swa_slots, attached, swa_split = self._commit_window(pf, total, target, discarded)
         full_slots = tuple(FREED if i < prefix // self.p else TREE if i < m else QUEUED if i < completed
-                           else IO_THREAD for i in range(pf.r))
+                           else IO_THREAD for i in range(len(pf.full)))
         for i, owner in enumerate(full_slots):  # the release queue and the IO thread's releases are drained
             if owner is not TREE:
                 self.full_pool.release([pf.full[i]])
@@ -454,7 +508,7 @@ def _packed(call: _ranks.CallRecord) -> Packed:
 class LegalTPPrefetch:
     """Every rank's scheduler: each operation on every rank at once, the report assembled from their replies."""
 
-    capabilities: frozenset[Capability] = frozenset()
+    capabilities: frozenset[Capability] = frozenset({Capability.SLOT_RELEASE_PATHS})  # it reports who releases
     components = frozenset({Component.TP_PREFETCH})
     device = "cpu"
     version = "legal tp_prefetch (tests/legal)"
@@ -465,7 +519,10 @@ class LegalTPPrefetch:
         if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         self._worker_args = {"group": group, "policy": policy.value, "seed": seed}
+        self._request: tuple[int, tuple[RankProgress, ...]] = (0, ())
         self._ranks: _ranks.RankGroup | None = None  # started at the first command (building one is cheap)
+        #: the request of the check that ended waiting (R, each rank's progress): the next one continues it
+        self._waiting: tuple[int, tuple[RankProgress, ...]] | None = None
 
     @property
     def ranks(self) -> _ranks.RankGroup:
@@ -515,10 +572,34 @@ class LegalTPPrefetch:
     # ------------------------------------------------------------ the protocol
 
     def initial_state(self, request_pages: int, ranks: Sequence[RankProgress]) -> None:
-        self._command("start", [(request_pages, progress) for progress in ranks])
+        """A new request, or the continuation of the one whose check ended waiting (its storage hits, policies,
+        transfer sets, registration and host capacity kept: anything else is refused)."""
+        op = "initial_state"
+        if len(ranks) != self.world_size:
+            raise InvalidOperation(op, "ranks", f"{len(ranks)} ranks for a group of {self.world_size}")
+        if not any(p.registered for p in ranks):
+            raise InvalidOperation(op, "ranks", "no rank registered the prefetch")
+        v0523 = self.config.variant in (V.UPSTREAM_0523, V.SUM_HITS, V.BEST_EFFORT_RELEASE)
+        if not v0523 and any(p.host_free_pages is not None for p in ranks):
+            raise InvalidOperation(op, "ranks", "host_free_pages is 0.5.23's (staging at hit time)")
+        waiting, continues = self._waiting, self._waiting is not None
+        if waiting is not None:
+            if request_pages != waiting[0]:
+                raise InvalidOperation(op, "request_pages", f"the waiting prefetch has {waiting[0]} pages")
+            kept = ("storage_hit", "policy", "transfers", "registered", "host_free_pages")
+            for i, (before, now) in enumerate(zip(waiting[1], ranks, strict=True)):
+                changed = [k for k in kept if getattr(before, k) != getattr(now, k)]
+                if changed:
+                    raise InvalidOperation(op, "ranks", f"rank {i}: a continued prefetch keeps its {changed}")
+        self._waiting = None
+        self._command("start", [(request_pages, progress, continues) for progress in ranks])
+        self._request = (request_pages, tuple(ranks))
 
     def sync_prefetch_hit_query(self) -> PhaseReport:
-        return self._op("sync_prefetch_hit_query", Phase.QUERIED)[0]
+        report, values = self._op("sync_prefetch_hit_query", Phase.QUERIED)
+        if report.phase is Phase.MISMATCHED or "revoked" not in values:
+            return report
+        return report.model_copy(update={"phase": Phase.REVOKED})
 
     def page_transfer(self) -> PhaseReport:
         return self._op("page_transfer", Phase.TRANSFERRED)[0]
@@ -528,6 +609,8 @@ class LegalTPPrefetch:
         if report.phase is Phase.MISMATCHED:
             return report
         phase = Phase.DECIDED if any(values) else Phase.WAITING
+        if phase is Phase.WAITING:  # the next initial_state continues this request
+            self._waiting = self._request
         return report.model_copy(update={"phase": phase, "proceeds": tuple(values)})
 
     def reduce_prefetch_ack(self) -> PhaseReport:

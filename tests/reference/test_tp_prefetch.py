@@ -260,6 +260,111 @@ def test_upstream_0523_prefetches_a_sub_window_at_the_root_only() -> None:
         tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=1), ranks)
 
 
+def test_upstream_0523_stages_at_hit_time_a_short_hit_at_the_root_is_a_whole_window() -> None:
+    """D1/D4 (docs/sglang-findings.md): 0.5.23 stages the synced hit's Full pages and ``min(window keys, hit)`` SWA
+    pages after the hit query; at the root a hit shorter than the window is the whole window from token 0 and is
+    attached (mid-tree the same short buffer lacks its head and is dropped)."""
+    ranks = [tp.RankProgress(storage_hit=1, full_pages=6), tp.RankProgress(storage_hit=1, full_pages=6)]
+    root = tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=6, anchor_is_root=True), ranks)
+    assert [(r.synced_hit, r.staged, r.window) for r in root.ranks] == [(1, 1, 1)] * 2
+    for c in commits(root):
+        assert c.attached and c.total_len == 64 and c.full_slots == (tp.SlotOwner.TREE,)
+        assert [(n.length, n.swa_pages, n.swa_from) for n in c.nodes] == [(64, (0,), 0)]
+    assert violation(root) is None
+    mid = tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=6), ranks)
+    assert all(not c.attached and c.swa_slots == (tp.SlotOwner.FREED,) for c in commits(mid))
+    # before 0.5.23 the buffers are allocated at the start: R Full pages, a whole window
+    old = tp.check_prefetch_progress(config(V.UPSTREAM_27264, request_pages=6), ranks)
+    assert [(r.staged, r.window) for r in old.ranks] == [(6, 2)] * 2
+
+
+def test_upstream_0523_revokes_a_synced_hit_of_zero_before_any_io() -> None:
+    """D2: below the prefetch threshold (one page) 0.5.23 revokes the prefetch on every rank after the hit query: no
+    transfer, no ACK, no commit, nothing staged. Before 0.5.23 the check commits an empty insert."""
+    ranks = [tp.RankProgress(storage_hit=0, full_pages=0), tp.RankProgress(storage_hit=3, full_pages=3)]
+    state = tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=4), ranks)
+    assert state.phase is tp.Phase.REVOKED and [c.name for c in state.collectives] == ["sync_prefetch_hit_query"]
+    assert [(r.synced_hit, r.staged, r.window, r.commit) for r in state.ranks] == [(0, 0, 0, None)] * 2
+    with pytest.raises(InvalidOperation, match="phase is revoked"):
+        tp.page_transfer(state)
+    old = tp.check_prefetch_progress(config(V.UPSTREAM_27264, request_pages=4), ranks)
+    assert old.phase is tp.Phase.COMMITTED and all(c.total_len == 0 for c in commits(old))
+
+
+def test_upstream_0523_reduces_no_ack_while_an_io_thread_is_in_flight() -> None:
+    """D3: ACKs come per finished batch and the drain is rank-min, so a best_effort check with one rank's IO in
+    flight reduces nothing: both ranks see 0 completed, discard, and every staged slot stays with the IO threads."""
+    ranks = [tp.RankProgress(storage_hit=4, full_pages=4, policy=Policy.BEST_EFFORT),
+             tp.RankProgress(storage_hit=4, full_pages=2, io_done=False, policy=Policy.BEST_EFFORT)]
+    state = tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=4, sliding_window=64), ranks)
+    assert [c.name for c in state.collectives] == ["sync_prefetch_hit_query"]
+    assert [r.min_completed for r in state.ranks] == [0, 0]
+    for c in commits(state):
+        assert c.discarded and c.full_slots == (tp.SlotOwner.IO_THREAD,) * 4
+        assert c.swa_slots == (tp.SlotOwner.IO_THREAD,)
+    assert violation(state) is None
+    # with every IO thread finished the ACKs are reduced as before
+    done = [r.model_copy(update={"full_pages": 4, "io_done": True}) for r in ranks]
+    state = tp.check_prefetch_progress(config(V.UPSTREAM_0523, request_pages=4, sliding_window=64), done)
+    assert [c.name for c in state.collectives] == ["sync_prefetch_hit_query"] + ["reduce_prefetch_ack"] * 2
+
+
+def test_a_continued_check_keeps_the_synced_hit_and_makes_no_hit_query() -> None:
+    """A check that waited continues with later progress: the storage was queried once, the staging is kept."""
+    for variant in (V.UPSTREAM_0523, V.UPSTREAM_27264):
+        cfg = config(variant, request_pages=4)
+        slow = [tp.RankProgress(storage_hit=3, full_pages=3), tp.RankProgress(storage_hit=4, full_pages=1,
+                                                                             io_done=False)]
+        first = tp.check_prefetch_progress(cfg, slow)
+        assert first.phase is tp.Phase.WAITING
+        later = [slow[0], slow[1].model_copy(update={"full_pages": 4, "io_done": True})]
+        state = tp.initial_state(cfg, later, continues=first)
+        state = tp.sync_prefetch_hit_query(state)
+        assert state.phase is tp.Phase.QUERIED and state.collectives == ()
+        assert [r.synced_hit for r in state.ranks] == [3, 3]
+        for step in (tp.page_transfer, tp.can_terminate_prefetch, tp.reduce_prefetch_ack, tp.handle_prefetch_result):
+            state = step(state)
+        assert state.phase is tp.Phase.COMMITTED and all(c.total_len == 3 * 64 for c in commits(state))
+        with pytest.raises(InvalidOperation, match="rank 1: a continued prefetch keeps its storage_hit"):
+            tp.initial_state(cfg, [slow[0], later[1].model_copy(update={"storage_hit": 2})], continues=first)
+        with pytest.raises(InvalidOperation, match="only a check that ended waiting continues"):
+            tp.initial_state(cfg, later, continues=state)
+
+
+def test_f6_rank_local_host_pressure_truncates_one_rank_after_the_sync() -> None:
+    """F6 (docs/sglang-findings.md): rank 1 has 5 free Full host pages when the synced hit of 8 is staged; it stages
+    5 (``allow_partial``) and expects 5, rank 0 expects 8. The completed MIN is 5: rank 0 discards, rank 1 inserts
+    5 pages and attaches the window it fetched (pages 3-4): the host trees differ (T1)."""
+    cfg = config(V.UPSTREAM_0523, page_size=2, sliding_window=4, request_pages=8)
+    ranks = [tp.RankProgress(storage_hit=8, full_pages=8), tp.RankProgress(storage_hit=8, full_pages=8,
+                                                                            host_free_pages=5)]
+    state = tp.check_prefetch_progress(cfg, ranks)
+    assert [(r.synced_hit, r.staged) for r in state.ranks] == [(8, 8), (8, 5)]
+    rank0, rank1 = commits(state)
+    assert rank0.discarded and tp.tree_shape(rank0) == ()
+    assert not rank1.discarded and rank1.total_len == 10 and rank1.attached
+    assert [(n.length, n.swa_host, n.swa_from) for n in rank1.nodes] == [(6, False, None), (4, True, 6)]
+    with pytest.raises(InvariantViolation, match=r"\[T1\]"):
+        tp.check_tp_prefetch(state)
+    with pytest.raises(InvalidOperation, match=r"host_free_pages models 0\.5\.23's hit-time staging"):
+        tp.check_prefetch_progress(cfg.with_variant(V.UPSTREAM_27264), ranks)
+
+
+def test_0523_io_thread_shrinks_a_window_buffer_longer_than_its_keys() -> None:
+    """A rank that staged fewer Full pages than the window re-aligns its SWA keys to them and releases the buffer's
+    tail (``_sync_trailing_keys``): mid-tree the shorter window is dropped, at the root it is whole and attached."""
+    ranks = [tp.RankProgress(storage_hit=6, full_pages=6, host_free_pages=1)] * 2
+    for root, attached in ((False, False), (True, True)):
+        cfg = config(V.UPSTREAM_0523, page_size=2, sliding_window=8, request_pages=6, anchor_is_root=root)
+        state = tp.initial_state(cfg, ranks)
+        state = tp.page_transfer(tp.sync_prefetch_hit_query(state))
+        assert [(r.staged, r.window) for r in state.ranks] == [(1, 1)] * 2  # staged 1 page; the 4-page buffer -> 1
+        state = tp.check_prefetch_progress(cfg, ranks)
+        assert [(c.attached, c.swa_slots) for c in commits(state)] == [
+            (attached, (tp.SlotOwner.TREE if attached else tp.SlotOwner.FREED,))] * 2
+        assert violation(state) is None
+
+
 # ---- insert and the commit walk (§6.3 step 6, §6.4) ----------------------------------------------------------
 
 
@@ -349,8 +454,9 @@ def test_t1_to_t5_hold_for_random_uniform_rank_vectors(variant: V) -> None:
             hazards += 1
         if state.phase is tp.Phase.COMMITTED:
             attached += any(c.attached for c in commits(state))
-            for c in commits(state):
-                assert len(c.swa_slots) in (0, tp.window_pages(cfg, ranks[0]))
+            for c, r in zip(commits(state), state.ranks, strict=True):
+                assert len(c.swa_slots) in (0, r.window)
+                assert len(c.full_slots) in (0, r.staged)
         if variant.leading_run:
             tp.check_hit_counts(state)
     assert attached > 20, "the random runs reach the attach path"

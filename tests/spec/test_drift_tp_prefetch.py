@@ -1,13 +1,15 @@
 """tp_prefetch drift: every transition of the Z3 models accepts the steps the reference takes, under each variant.
 
 Seeded reference checks of ``kvproof.reference.tp_prefetch`` (1 to 8 ranks with their own storage hits, Full
-progress, IO state, deadlines, policies, transfer sets and failing SWA pages, over host paths of up to two nodes;
-sglang_semantics.md §6) run every operation. Each step is abstracted into the model's state
-(:class:`kvproof.spec.tp_prefetch.State`: the constants, each rank's inputs, and what each operation derived for
-it) and checked against the transition of the same name in the variant's system with concrete values; a call the
-reference rejects (an operation out of order) has no successor in the model. Deliberately wrong transitions
-(a MAX for the MIN, no hit sync, the sidecars fetched before the Full pages, a partial window attached, another
-variant's reduction) reject sampled steps, so these checks can fail.
+progress, IO state, deadlines, policies, transfer sets, failing SWA pages and, in 0.5.23, Full host pages free at hit
+time, over host paths of up to two nodes; sglang_semantics.md §6) run every operation, through 0.5.23's revokes (a
+synced hit of 0) and its checks that reduce no ACK while an IO thread is in flight. Each step is abstracted into the
+model's state (:class:`kvproof.spec.tp_prefetch.State`: the constants, each rank's inputs, and what each operation
+derived for it) and checked against the transition of the same name in the variant's system with concrete values; a
+call the reference rejects (an operation out of order, or after a revoke) has no successor in the model. Deliberately
+wrong transitions (a MAX for the MIN, no hit sync, the sidecars fetched before the Full pages, a partial window
+attached, another variant's reduction, 0.5.23 staged before the hit, its ACKs reduced while an IO thread is in flight)
+reject sampled steps, so these checks can fail.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def abstract(state: tp.PrefetchState) -> Values:
             "mamba": _slots([Pool.MAMBA in q.transfers for q in ranks], False),
             "first_miss": _slots([min((*q.swa_missing, n)) for q, n in zip(ranks, windows, strict=True)], 0),
             "mamba_ok": _slots([not q.mamba_missing for q in ranks], True),
-            "reg": _slots([q.registered for q in ranks], True)}
+            "reg": _slots([q.registered for q in ranks], True),
+            "hfree": _slots([q.host_free_pages or 0 for q in ranks], 0)}
     out |= {"phase": PHASE[state.phase], "mism": MISMATCH[state.mismatch.name] if state.mismatch else 0,
             "mix": any(call.mixed for call in state.collectives if call.name == "reduce_prefetch_ack")}
 
@@ -91,6 +94,8 @@ def abstract(state: tp.PrefetchState) -> Values:
         return lambda r: default if r.io is None else read(r.io)
 
     per_rank("H", lambda r: r.synced_hit or 0, 0)
+    per_rank("staged", lambda r: r.staged or 0, 0)
+    per_rank("window", lambda r: r.window or 0, 0)
     per_rank("C", io(lambda i: i.completed, 0), 0)
     per_rank("reach", io(lambda i: i.reached_sidecars, False), False)
     per_rank("cnt", io(lambda i: i.hits.get(Pool.SWA, 0), 0), 0)
@@ -113,10 +118,10 @@ def abstract(state: tp.PrefetchState) -> Values:
 
 
 def successes(state: tp.PrefetchState) -> Values:
-    """``page_transfer``'s action: each rank's successful SWA fetches among its ``min(n, synced hit)`` keys."""
+    """``page_transfer``'s action: each rank's successful SWA fetches among its ``min(window buffer, target)`` keys."""
     out = []
     for r in state.ranks:
-        k = min(tp.window_pages(state.config, r.progress), r.synced_hit or 0)
+        k = min(r.window or 0, r.synced_hit or 0, r.staged or 0)
         out.append(sum(1 for i in range(k) if i not in r.progress.swa_missing))
     return {"succ": _slots(out, 0)}
 
@@ -151,7 +156,8 @@ def random_check(rng: random.Random, variant: V) -> tuple[tp.TPPrefetchConfig, l
             deadline_passed=rng.random() < 0.5,
             policy=shared_policy if uniform or rng.random() < 0.7 else rng.choice(list(tp.TerminationPolicy)),
             transfers=transfers, swa_missing=tuple(j for j in range(n) if rng.random() < 0.15),
-            mamba_missing=rng.random() < 0.15, registered=i == 0 or rng.random() < 0.97))
+            mamba_missing=rng.random() < 0.15, registered=i == 0 or rng.random() < 0.97,
+            host_free_pages=rng.randint(1, r_pages) if variant.protocol_0523 and rng.random() < 0.25 else None))
     return cfg, ranks
 
 
@@ -159,7 +165,7 @@ def run_samples(variant: V, cfg: tp.TPPrefetchConfig, ranks: list[tp.RankProgres
     state = tp.initial_state(cfg, ranks)
     out = []
     for op, step in STEPS:
-        if state.phase in (tp.Phase.MISMATCHED, tp.Phase.WAITING):
+        if state.phase in (tp.Phase.MISMATCHED, tp.Phase.WAITING, tp.Phase.REVOKED):
             break
         action = successes(state) if op == "page_transfer" else {}
         post = step(state)
@@ -244,11 +250,16 @@ def test_every_sampled_step_is_accepted_by_its_transition(variant: V, op: str) -
 
 
 def test_the_samples_cover_every_outcome() -> None:
-    """Mismatches at each collective, waits, commits with attached, split and discarded windows, hazards, mixes."""
+    """Mismatches at each collective, waits, revokes, commits with attached, split and discarded windows, hazards,
+    mixes; 0.5.23's host pressure (a rank stages less than the synced hit) and its best_effort checks that reduce no
+    ACK while an IO thread is in flight (D3)."""
     got = Counter()
     for s in samples():
-        post = s.post
+        post, n = s.post, s.post["N"]
         got[spec.PHASES[post["phase"]]] += 1
+        got["host pressure"] += any(x < h for x, h in zip(post["staged"][:n], post["H"][:n], strict=True))
+        got["D3"] += (s.op == "reduce_prefetch_ack" and s.variant.protocol_0523 and not all(s.pre["fin"][:n])
+                      and spec.BE in s.pre["pol"][:n])
         got[f"mism {post['mism']}"] += post["phase"] == spec.MISMATCHED
         got["attach"] += any(post["attach"][: post["N"]])
         got["swa_split"] += any(x >= 0 for x in post["swa_split"][: post["N"]])
@@ -257,8 +268,8 @@ def test_the_samples_cover_every_outcome() -> None:
         got["hazard"] += any(post["hazard"][: post["N"]])
         got["mix"] += post["mix"]
         got["8 ranks"] += post["N"] == 8
-    for key in ("committed", "waiting", "mismatched", "mism 1", "mism 2", "mism 3", "attach", "swa_split",
-                "ins_split", "disc", "hazard", "mix", "8 ranks"):
+    for key in ("committed", "waiting", "mismatched", "revoked", "mism 1", "mism 2", "mism 3", "attach", "swa_split",
+                "ins_split", "disc", "hazard", "mix", "8 ranks", "host pressure", "D3"):
         assert got[key] > 0, (key, got)
 
 
@@ -275,6 +286,22 @@ def test_calls_out_of_order_have_no_successor() -> None:
                                      lambda a: action_pins(a, successes(state))), op
 
 
+def test_nothing_runs_after_a_revoke() -> None:
+    """0.5.23 revokes a synced hit of 0 right after the hit query (phase ``revoked``): the reference refuses every
+    operation from there, and the model has no step there."""
+    cfg = tp.TPPrefetchConfig(page_size=2, sliding_window=4, request_pages=4, variant=V.UPSTREAM_0523)
+    ranks = [tp.RankProgress(storage_hit=0, full_pages=0), tp.RankProgress(storage_hit=3, full_pages=3)]
+    state = tp.sync_prefetch_hit_query(tp.initial_state(cfg, ranks))
+    assert state.phase is tp.Phase.REVOKED
+    pre = abstract(state)
+    assert pre["phase"] == spec.REVOKED and pre["staged"][:2] == pre["window"][:2] == (0, 0)
+    system = system_of(V.UPSTREAM_0523)
+    for op, step in STEPS:
+        with pytest.raises(InvalidOperation):
+            step(state)
+        assert not _ts.has_successor(system, op, lambda s: state_pins(s, pre), lambda a: action_pins(a, {})), op
+
+
 @pytest.mark.parametrize(("variant", "op", "wrong"), [
     (V.UPSTREAM_27264, "reduce_prefetch_ack", spec.system(spec.Variant.UPSTREAM_27264, spec.Twist(max_reduce=True))),
     (V.PRE_27264, "reduce_prefetch_ack", spec.SYSTEMS_BY_VARIANT[spec.Variant.UPSTREAM_27264]),
@@ -286,6 +313,9 @@ def test_calls_out_of_order_have_no_successor() -> None:
     (V.UPSTREAM_0523, "handle_prefetch_result", spec.SYSTEMS_BY_VARIANT[spec.Variant.BEST_EFFORT_RELEASE]),
     (V.UPSTREAM_0523, "page_transfer", spec.SYSTEMS_BY_VARIANT[spec.Variant.SUM_HITS]),
     (V.UPSTREAM_0523, "can_terminate_prefetch", spec.SYSTEMS_BY_VARIANT[spec.Variant.UPSTREAM_27264]),
+    (V.UPSTREAM_0523, "sync_prefetch_hit_query",
+     spec.system(spec.Variant.UPSTREAM_0523, spec.Twist(staged_at_start=True))),
+    (V.UPSTREAM_0523, "reduce_prefetch_ack", spec.system(spec.Variant.UPSTREAM_0523, spec.Twist(ack_in_flight=True))),
 ])
 def test_a_wrong_transition_rejects_sampled_steps(variant: V, op: str,
                                                   wrong: _ts.TransitionSystem[spec.State, spec.Action]) -> None:

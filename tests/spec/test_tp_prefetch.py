@@ -2,8 +2,9 @@
 
 ``kvproof.spec.tp_prefetch`` (sglang_semantics.md §6, §7 T1-T5, §9 S10): names ``tp_prefetch.<op>.<claim>`` after
 the reference operation they are about; the S10 twin prints the numbers the reference's run shows
-(tests/reference/test_tp_prefetch.py); witnesses show that the premises of the proofs admit the runs they are
-about (windows attached, split, up to 8 ranks).
+(tests/reference/test_tp_prefetch.py), the F6 twin reads like F6 (sglang-findings.md); witnesses show that the
+premises of the proofs admit the runs they are about (windows attached, split, up to 8 ranks, 0.5.23's revokes and
+short hits at the root).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ def result(name: str) -> Result:
 
 
 @pytest.mark.parametrize("name", list(NAMES))
-def test_every_obligation_gets_its_verdict_quickly(name: str) -> None:
+def test_every_obligation_gets_its_verdict(name: str) -> None:
+    """Within the solver's timeout (an ``unknown`` is a failure; how long each takes is ``kvproof prove``'s column)."""
     r = result(name)
     assert r.status != "unknown", r.detail
     assert r.ok, f"{name}: expected {r.obligation.expect}, got {r.status}\n{r.detail}"
-    assert r.seconds < 5, f"{name} took {r.seconds:.1f} s"
 
 
 def test_the_module_has_the_registry_shape() -> None:
@@ -66,7 +67,7 @@ def test_every_twin_prints_readable_numbers() -> None:
             continue
         detail = result(ob.name).detail
         assert re.search(r"\d", detail) and "div0" not in detail and "mod0" not in detail, detail
-        assert re.search(r"\b(T[1-5]|R5-[cd]) broken\b|the ranks (load|decide)", detail), (ob.name, detail)
+        assert re.search(r"\b(T[1-5]|R5-[cd]|D1) broken\b|the ranks (load|decide)", detail), (ob.name, detail)
         if ".swa_slots_conserved" not in ob.name and ".count_pool_hits" not in ob.name:
             assert "page size P=64" in detail and "rank 0:" in detail and "rank 1:" in detail, (ob.name, detail)
 
@@ -97,10 +98,21 @@ def test_the_shape_twin_names_the_packed_layouts_the_reference_packs() -> None:
         "tp_prefetch.can_terminate_prefetch.agreed.mixed_policies").detail
 
 
-def _witness(variant: spec.Variant, *facts: object) -> z3.ModelRef:
+def test_the_f6_twin_stages_fewer_pages_on_one_rank_after_the_sync() -> None:
+    """F6 (sglang-findings.md): one policy and one transfer set, every rank finds and loads the request; one rank is
+    short of Full host pages at hit time, stages fewer than the synced hit, and the trees differ."""
+    detail = result("tp_prefetch.handle_prefetch_result.same_tree_0523.host_pressure").detail
+    assert re.search(r"rank 1: wait_complete, transfers \{swa\}, hit=(\d+), loaded=\1, (\d+) Full host page\(s\) free",
+                     detail), detail
+    assert re.search(r"synced hit (\d+), stages (?!\1 )\d+ Full", detail), detail
+    assert re.search(r"T1 broken: the ranks' host trees differ in total: .*rank 1 staged only \d+ of the synced "
+                     r"hit's \d+ Full pages, after the sync \(host pressure, F6\)", detail), detail
+
+
+def _witness(variant: spec.Variant, *facts: object, committed: bool = True) -> z3.ModelRef:
     rn = spec.run(variant)
     solver = z3.Solver()
-    solver.add(*rn.facts, rn.committed, *(f(rn) if callable(f) else f for f in facts))
+    solver.add(*rn.facts, *((rn.committed,) if committed else ()), *(f(rn) if callable(f) else f for f in facts))
     assert solver.check() == z3.sat, f"{variant}: no run with these facts (a proof about them would be vacuous)"
     return solver.model()
 
@@ -109,7 +121,7 @@ def _witness(variant: spec.Variant, *facts: object) -> z3.ModelRef:
 def test_the_proofs_premises_admit_eight_ranks_attaching_one_split_window(variant: spec.Variant) -> None:
     """Non-vacuity of same_tree / whole_window / aligned_window: one transfer set and one policy on 8 ranks, every
     rank attaches its window, split at the window start inside a tombstone below an existing node."""
-    m = _witness(variant, spec.same_sets, spec.one_policy, lambda rn: rn.last.N == 8,
+    m = _witness(variant, spec.same_sets, spec.one_policy, spec.no_host_pressure, lambda rn: rn.last.N == 8,
                  lambda rn: z3.And([rn.last.attach[r] for r in range(8)]),
                  lambda rn: rn.last.swa_split[0] >= 0, lambda rn: rn.last.e1 >= 1)
     rn = spec.run(variant)
@@ -120,3 +132,15 @@ def test_the_proofs_premises_admit_eight_ranks_attaching_one_split_window(varian
 def test_the_hazard_proof_admits_in_flight_swa_writes() -> None:
     """Non-vacuity of no_write_after_release_0523: a committing rank with SWA writes in flight exists."""
     _witness(spec.Variant.UPSTREAM_0523, lambda rn: z3.And(rn.last.go[0], rn.states[2].infl[0]))
+
+
+def test_the_0523_proofs_admit_revokes_short_hits_at_the_root_and_acks_in_flight() -> None:
+    """Non-vacuity of revoke_agreed_0523 (8 ranks revoke), short_hit_at_root_0523 (its premise on 8 ranks) and of
+    D3 in the proofs over committed checks (a best_effort rank commits while another's IO is in flight)."""
+    rn = spec.run(spec.Variant.UPSTREAM_0523)
+    text = spec.run_text(_witness(spec.Variant.UPSTREAM_0523, lambda rn: rn.revoked, lambda rn: rn.last.N == 8,
+                                  committed=False), rn, "witness")
+    assert "the check is revoked on every rank" in text, text
+    _witness(spec.Variant.UPSTREAM_0523, spec.short_hit_at_root, lambda rn: rn.last.N == 8)
+    _witness(spec.Variant.UPSTREAM_0523, lambda rn: z3.And(rn.last.go[0], rn.last.pol[0] == spec.BE,
+                                                           z3.Not(rn.states[2].fin[1]), rn.last.N == 2))
