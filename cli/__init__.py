@@ -1,7 +1,8 @@
-"""``kvproof`` command line: ``prove``, ``conform``, ``check``, ``mutants``, ``replay`` and ``bench``.
+"""``kvproof`` command line: ``prove``, ``conform``, ``fuzz``, ``check``, ``mutants``, ``replay`` and ``bench``.
 
 * ``kvproof prove``   -- every Z3 obligation and broken twin; non-zero exit on any failure or ``unknown``.
 * ``kvproof conform`` -- the lockstep suites against kvproof's torch runtime or ``--impl module:factory``.
+* ``kvproof fuzz``    -- a campaign: the suites under a time or step budget on K workers, nothing found lost.
 * ``kvproof check``   -- ``prove`` + ``conform`` of the built-in runtime + ``mutants``, one summary;
   exit 0 only if all pass.
 * ``kvproof mutants`` -- the suites against every deliberately broken runtime; each must be killed.
@@ -146,23 +147,31 @@ def main() -> None:
 @click.option("--timeout-ms", default=20_000, show_default=True, type=click.IntRange(min=1),
               help="Solver timeout per obligation.")
 @click.option("--show-counterexamples", is_flag=True, help="Print the counterexample of every broken twin.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Worker processes proving obligations in parallel (default: one per core, os.cpu_count()); "
+                   "1: one after another in kvproof's own process.")
 @JSON_REPORT
 @JUNIT_XML
 def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int, show_counterexamples: bool,
-          json_report: str | None, junit_xml: str | None) -> None:
+          jobs: int | None, json_report: str | None, junit_xml: str | None) -> None:
     """Discharge every Z3 obligation; broken twins must yield counterexamples."""
     from kvproof.cli.progress import Progress
-    from kvproof.cli.prove import print_failures, print_results
+    from kvproof.cli.prove import effective_workers, print_failures, print_results, select, wall_line
     from kvproof.cli.prove import prove as run_prove
     from kvproof.cli.reports import prove_json, prove_junit
     from kvproof.conformance.report import write_document, write_junit_suites
 
     console = _console()
     last = [0.0]
+    jobs = jobs if jobs is not None else os.cpu_count() or 1
+    workers = [jobs]  # how many the run uses (no more than the obligations it selects)
+    start = time.monotonic()
 
     def write(results: list[Any], status: str) -> None:
         if json_report:
-            write_document(json_report, {**prove_json(results, complete=status == "complete"), "status": status})
+            write_document(json_report, {**prove_json(results, complete=status == "complete",
+                                                      wall_seconds=time.monotonic() - start, workers=workers[0]),
+                                         "status": status})
         if junit_xml:
             write_junit_suites(junit_xml, [prove_junit(results)])
 
@@ -175,19 +184,22 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
             write(results, "running")
 
     try:
+        workers[0] = effective_workers(jobs, len(select(components, name_filter)))
         with Progress(console) as progress:
-            results = run_prove(components, name_filter, timeout_ms, progress=progress.update, done=so_far)
+            results = run_prove(components, name_filter, timeout_ms, progress=progress.update, done=so_far, jobs=jobs)
     except _usage_errors() as err:
         _bad_input(console, err)
     except KeyboardInterrupt:
         write(results, "interrupted")
         _interrupted(console, f"prove ({len(results)} obligation(s) done)")
+    wall = time.monotonic() - start
     write(results, "complete")
     print_results(console, results)
     print_failures(console, results, show_counterexamples=show_counterexamples)
     bad = [r for r in results if not r.ok]
     total = sum(r.seconds for r in results)
     console.print(f"{len(results)} obligations, {len(bad)} failed, {total:.2f} s solver time")
+    console.print(wall_line(results, wall, workers[0]), highlight=False)
     sys.exit(1 if bad else 0)
 
 
@@ -262,6 +274,87 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     sys.exit(0 if all(o.ok for o in outcomes) else 1)
 
 
+@main.command()
+@click.option("--impl", "impl_specs", multiple=True, metavar="MODULE:FACTORY", envvar="KVPROOF_IMPL",
+              help="Implementation factory, as for conform (default: kvproof's torch runtime).")
+@CONFIG
+@COMPONENTS
+@click.option("--time", "duration", default=None, metavar="DURATION",
+              help="Wall-clock budget: 90s, 10m, 2h, 1h30m (or --steps).")
+@click.option("--steps", "step_budget", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Budget in lockstep steps, over all workers (or --time).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Worker processes, each on its own slices (default: one per core).")
+@click.option("--db", default=None, metavar="PATH|redis://HOST:PORT/N",
+              help="Example database (default .kvproof/hypothesis); a Redis URL shares it across machines "
+                   "(pip install 'kvproof[redis]').")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="The campaign's seed: each run's seed derives from it, its slice and its index.")
+@click.option("--mode", type=click.Choice(["hypothesis", "breadth"]), default="hypothesis", show_default=True,
+              help="hypothesis: Hypothesis' engine; breadth: the same rules without it (swarm testing), failures "
+                   "shrunk by replaying their vectors.")
+@click.option("--resume", is_flag=True,
+              help="Go on with the campaign this command ran before (the same command does that by default; this "
+                   "flag makes it an error if there is none).")
+@click.option("--fresh", is_flag=True, help="Start over: new runs from index 0, saved failures not replayed first.")
+@click.option("--examples", type=click.IntRange(min=1), default=25, show_default=True,
+              help="Examples per run (the budget is checked between runs).")
+@click.option("--steps-per-example", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Most rules per example.")
+@click.option("--op-timeout", type=float, default=60.0, show_default=True, callback=_positive_seconds,
+              help="Seconds (> 0) one implementation call may take before it counts as hung.")
+@click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0), default=MEMORY_LIMIT_MB,
+              show_default=True, metavar="MIB", help="MiB an implementation's process may grow by (0: no limit).")
+@with_suite_options
+def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tuple[str, ...], duration: str | None,
+         step_budget: int | None, workers: int | None, db: str | None, seed: int, mode: str, resume: bool,
+         fresh: bool, examples: int, steps_per_example: int, op_timeout: float, memory_limit: int,
+         suite_options: dict[str, str]) -> None:
+    """A fuzzing campaign: the lockstep suites under a time or step budget on K workers, nothing lost.
+
+    Failures are saved the moment they are found (the example database, .kvproof/failures/); the same command
+    again replays them first and goes on with new runs. Ctrl-C stops (the summary is printed), a second Ctrl-C
+    kills the workers. Exit codes: 0 no failure, 1 a failure (found or still failing), 2 bad input or a harness
+    error, 130 Ctrl-C.
+    """
+    from kvproof.cli.fuzz import FuzzView, ctrl_c, summarize
+    from kvproof.conformance.fuzz import Budget, Campaign, Ledger, parse_duration, plan_campaign
+    from kvproof.conformance.plan import load_impls, plan
+
+    console = _console()
+    try:
+        if resume and fresh:
+            raise click.UsageError("--resume and --fresh contradict each other")
+        budget = Budget(parse_duration(duration) if duration is not None else None, step_budget)
+        the_plan = plan(components, load_impls(impl_specs), configs, None, suite_options)
+        spec = plan_campaign(the_plan.tests, budget, workers=workers, seed=seed, engine=mode, db=db,
+                             examples=examples, steps_per_example=steps_per_example, op_timeout=op_timeout,
+                             memory_limit_mb=memory_limit, fresh=fresh)
+        if resume and not Ledger(spec.campaign_id).resumed:
+            raise click.UsageError(f"--resume: no campaign to resume (no {Ledger(spec.campaign_id).path})")
+        view = FuzzView(console)
+        campaign = Campaign(spec, view)
+    except _usage_errors() as err:
+        _bad_input(console, err)
+    for warning in the_plan.warnings:
+        console.print(f"[yellow]warning: {warning}[/]")
+    resumed = campaign.ledger.resumed
+    console.print(f"kvproof fuzz: {len(spec.tests)} slice(s), {spec.workers} worker(s), {budget.text()}, mode "
+                  f"{spec.engine}, seed {spec.seed}, database {spec.db or '.kvproof/hypothesis'}"
+                  + (f"; resuming campaign {spec.campaign_id}" if resumed else ""), markup=False, highlight=False)
+    with ctrl_c(campaign, view):  # held through the summary: a second Ctrl-C while it prints is not a traceback
+        try:
+            status = campaign.run()
+        finally:
+            view.stop()
+        code = summarize(console, campaign, status)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the workers are joined and everything is written: exit now, not through the interpreter's teardown (it
+        # resets SIGINT to its default first, so a second Ctrl-C in that window would kill the process)
+        os._exit(code)
+
+
 def _refuse_seed(profile: str, seed: int | None) -> None:
     """``--seed`` with a derandomized profile would be ignored: a usage error instead."""
     from kvproof.conformance.generation import forced_seed
@@ -291,7 +384,7 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
     """
     from kvproof.cli.conform import CLIEvents, conform_table, mutants_absent, mutants_table, print_reports, run_mutants
     from kvproof.cli.progress import Progress
-    from kvproof.cli.prove import print_failures, print_results
+    from kvproof.cli.prove import effective_workers, print_failures, print_results, wall_line
     from kvproof.cli.prove import prove as run_prove
     from kvproof.cli.reports import CHECK_FORMAT, mutants_json, mutants_junit, prove_json, prove_junit
     from kvproof.conformance.plan import plan, run_plan
@@ -321,12 +414,15 @@ def check(profile: str, components: tuple[str, ...], json_report: str | None, ju
         write("running")
 
     try:
+        proved_at, jobs = time.monotonic(), os.cpu_count() or 1
         with Progress(console) as progress:
-            results = run_prove(components, progress=progress.update)
+            results = run_prove(components, progress=progress.update, jobs=jobs)  # obligations on every core
         parts["prove"] = results
         write("running")
         print_results(console, results)
         print_failures(console, results, show_counterexamples=False)
+        console.print(wall_line(results, time.monotonic() - proved_at, effective_workers(jobs, len(results))),
+                      highlight=False)
         events = CLIEvents(console, None, None, conform_progress)
         try:
             outcomes, info = run_plan(plan(components), profile=profile, events=events, replay_saved=True,
@@ -466,8 +562,18 @@ def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation
 @main.command()
 @COMPONENTS
 @click.option("--quick", is_flag=True, help="Fewer repetitions (smoke run).")
-def bench(components: tuple[str, ...], quick: bool) -> None:
+@click.option("--bugs", is_flag=True,
+              help="The bug-finding benchmark instead: time and steps to detect each mutant and scenario (median over "
+                   "--seeds), shrunk lengths, steps/s and coverage per component, in both modes.")
+@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True, metavar="N",
+              help="Seeds per bug and mode (--bugs).")
+def bench(components: tuple[str, ...], quick: bool, bugs: bool, seeds: int) -> None:
     """Each component's benchmark section: throughput, harness overhead and capacity, as ratios of one run."""
+    if bugs:
+        from kvproof.cli.bench_bugs import run_bug_bench
+
+        run_bug_bench(_console(), quick=quick, components=components, seeds=seeds)
+        return
     from kvproof.cli.bench import run_bench
 
     run_bench(_console(), quick=quick, components=components)

@@ -3,7 +3,11 @@
 Nothing here is a timed test: it prints numbers, it never asserts on them.
 
 * lockstep steps/s: the ``swa_allocator`` state machine against kvproof's torch
-  runtime under a fixed derandomized profile (steps = checked transitions);
+  runtime under a fixed derandomized profile (steps = checked transitions), under Hypothesis' engine (the
+  default mode) and under the breadth driver (``kvproof fuzz --mode breadth``: the same rules and checks), on one
+  core, and their ratio;
+* ``kvproof fuzz`` throughput: lockstep steps/s of a campaign over the ``swa_allocator`` slices with one worker
+  and with one per core (each for the same wall-clock budget, in a scratch directory), and their ratio;
 * runtime throughput: ``alloc_extend`` (one request, 0 -> n tokens, n in 1..64) +
   ``free`` pairs per second at page size 1 and 4, on the runtime's default device,
   and the same pairs on the pure-Python reference over the same 16k-token pool;
@@ -33,7 +37,10 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -102,23 +109,43 @@ def reference_pairs_per_second(page_size: int, pairs: int) -> float:
 
 
 def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-                              isolation: str = "in-process") -> tuple[float, int]:
+                              isolation: str = "in-process", engine: str = "hypothesis") -> tuple[float, int]:
     """Checked lockstep steps per second against the runtime, over all conformance configs.
 
     ``op_timeout=None`` calls the implementation directly (no watchdog thread): the
     difference is the price of the per-operation timeout. ``isolation="process"`` runs each
     config in a supervised child: the difference is the price of isolation (its start included).
+    ``engine="breadth"``: the breadth driver, the same examples and steps per example.
     """
     profile = settings(get_profile("ci"), max_examples=examples)
     steps, seconds = 0, 0.0
     for cfg in CONFORMANCE_CONFIGS:
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
-                                         failures_dir=None, op_timeout=op_timeout, isolation=isolation)
+                                         failures_dir=None, op_timeout=op_timeout, isolation=isolation,
+                                         seed=0 if engine == "breadth" else None, engine=engine)
         if not report.passed:
             raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
         seconds += report.seconds
     return steps / seconds, steps
+
+
+def fuzz_steps_per_second(workers: int, seconds: float, engine: str = "hypothesis") -> tuple[float, int]:
+    """A ``kvproof fuzz`` campaign over the ``swa_allocator`` slices for ``seconds`` on ``workers`` processes, in a
+    scratch directory (its ledger, database and failure files go there): lockstep steps per second of wall-clock
+    time (worker start and wind-down included) and the steps."""
+    from kvproof.conformance.fuzz import Budget, Campaign, plan_campaign
+    from kvproof.conformance.plan import load_impls, plan
+
+    tests = plan((Component.SWA_ALLOCATOR,), load_impls(()), (), None, {}).tests
+    with tempfile.TemporaryDirectory(prefix="kvproof-bench-") as scratch, contextlib.chdir(scratch):
+        spec = plan_campaign(tests, Budget(seconds=seconds), workers=workers, seed=0, engine=engine, fresh=True,
+                             db=os.path.join(scratch, "db"))
+        campaign = Campaign(spec)
+        campaign.run()
+    if campaign.failures or campaign.errors:
+        raise HarnessBug(f"benchmark campaign failed: {[f.diagnosis for f in campaign.failures] + campaign.errors}")
+    return campaign.total_steps / campaign.elapsed, campaign.total_steps
 
 
 def isolation_start_ms(repeat: int) -> float:
@@ -357,6 +384,11 @@ def _swa_allocator(quick: bool) -> Section:
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
     steps_per_s, steps = lockstep_steps_per_second(examples)
+    breadth_per_s, breadth_steps = lockstep_steps_per_second(examples, engine="breadth")
+    cores = os.cpu_count() or 1
+    fuzz_s = 8.0 if quick else 30.0
+    fuzz_one, _ = fuzz_steps_per_second(1, fuzz_s)
+    fuzz_all, _ = fuzz_steps_per_second(cores, fuzz_s)
     direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
     isolated_steps_per_s, _ = lockstep_steps_per_second(examples, isolation="process")
     start_ms = isolation_start_ms(5 if quick else 20)
@@ -368,11 +400,18 @@ def _swa_allocator(quick: bool) -> Section:
         "runtime / reference speed, P=4": f"{p4 / r4:.1f}x",
         f"lockstep steps/s (swa_allocator, {steps} steps)": f"{steps_per_s:,.0f}",
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
+        f"lockstep steps/s, breadth mode (swa_allocator, {breadth_steps} steps)": f"{breadth_per_s:,.0f}",
+        "breadth / hypothesis mode steps/s (one core)": f"{breadth_per_s / steps_per_s:.2f}x",
+        f"kvproof fuzz steps/s, 1 worker / {cores} workers ({fuzz_s:g} s each)": f"{fuzz_one:,.0f} / {fuzz_all:,.0f}",
+        f"kvproof fuzz {cores} workers / 1 worker (ideal {cores}x)": f"{fuzz_all / fuzz_one:.2f}x",
         "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
         "lockstep steps/s process-isolated (one child per config)": f"{isolated_steps_per_s:,.0f}",
         "lockstep steps/s in-process / process-isolated": f"{steps_per_s / isolated_steps_per_s:.2f}x",
         "isolation start per config: fork + result + reap (ms)": f"{start_ms:.1f}",
     }, values={"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
+               "breadth_steps_per_s": breadth_per_s, "breadth_vs_hypothesis": breadth_per_s / steps_per_s,
+               "fuzz_one_worker_steps_per_s": fuzz_one, "fuzz_all_workers_steps_per_s": fuzz_all,
+               "fuzz_scaling": fuzz_all / fuzz_one,
                "watchdog_cost": direct_steps_per_s / steps_per_s, "isolated_steps_per_s": isolated_steps_per_s,
                "isolation_cost": steps_per_s / isolated_steps_per_s, "isolation_start_ms": start_ms})
     note = _sglang_rows(out.rows, quick)

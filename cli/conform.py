@@ -10,12 +10,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvproof.cli.progress import Progress
-from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, mutants_of
+from kvproof.conformance.check import CheckReport, MutantVerdict, kill_mutants, mutants_of, structure_unreached
 from kvproof.conformance.plan import PlannedTest, RunEvents
 from kvproof.conformance.report import Outcome, RunInfo, write_json, write_junit
 from kvproof.reference.registry import Component, Layer, info, parse_components
 
-__all__ = ["CLIEvents", "conform_table", "counts", "mutants_absent", "mutants_table", "print_reports", "run_mutants"]
+__all__ = ["CLIEvents", "conform_table", "counts", "mutants_absent", "mutants_table", "print_reports",
+           "print_structure", "run_mutants"]
 
 
 def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
@@ -27,7 +28,7 @@ def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
     longest = {"component": max((len(r.component) for r in reports), default=0),
                "config": max((len(r.config.label()) for r in reports), default=0)}
     for col in ("component", "config", "verdict", "examples", "steps", "calls", "ok", "OutOfMemory",
-                "InvalidOperation", "n/a", "seconds"):
+                "InvalidOperation", "n/a", "structure", "seconds"):
         text = col in ("component", "config", "verdict")
         header = {"OutOfMemory": "OutOf\nMemory", "InvalidOperation": "Invalid\nOperation"}.get(col, col)
         table.add_column(header if compact else col, justify="left" if text else "right", overflow="fold",
@@ -36,8 +37,16 @@ def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
         verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
         table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(sum(r.calls.values())),
                       str(r.outcomes.get("ok", 0)), str(r.outcomes.get("OutOfMemory", 0)),
-                      str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), f"{r.seconds:.1f}")
+                      str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), _structure(r),
+                      f"{r.seconds:.1f}")
     return table
+
+
+def _structure(report: CheckReport) -> str:
+    """Structural dimensions at their maximum / declared (``-`` when the suite declares none)."""
+    if not report.structure_targets:
+        return "-"
+    return f"{len(report.structure_targets) - len(report.structure_missed())}/{len(report.structure_targets)}"
 
 
 def counts(outcomes: list[Outcome]) -> dict[str, int]:
@@ -48,7 +57,8 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 
 def print_reports(console: Console, reports: list[CheckReport]) -> None:
-    """Not-applicable rules (grouped), never-executed rules, and every failure with its replay command."""
+    """Not-applicable rules (grouped), never-executed rules, structural coverage, and every failure with its replay
+    command."""
     groups: dict[tuple[str, ...], list[str]] = {}  # capabilities may differ per config (e.g. per page size)
     for r in reports:
         if r.not_applicable:
@@ -60,6 +70,11 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
         if r.never_run:
             never = ", ".join(r.never_run)
             console.print(f"[yellow]{r.component} {r.config.label()}: rules never executed: {never}[/]")
+        missed = r.structure_missed()
+        if missed:
+            below = ", ".join(f"{k} {got}/{most}" for k, (got, most) in sorted(missed.items()))
+            console.print(f"{r.component} {r.config.label()}: structure below its maximum on this config: {below}",
+                          highlight=False, markup=False)
         if not r.passed:
             console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
@@ -68,6 +83,26 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
                 vector = r.failure_file.rsplit(".", 1)[0] + ".json"
                 console.print(f"replay without Hypothesis: kvproof replay {vector} --impl {r.impl_name}",
                               markup=False, highlight=False, soft_wrap=True)
+    print_structure(console, reports)
+
+
+def print_structure(console: Console, reports: list[CheckReport]) -> None:
+    """Per component, over its configs: every structural dimension reached its maximum on some config, or which
+    did not (:func:`kvproof.conformance.check.structure_unreached`)."""
+    by_component: dict[str, list[CheckReport]] = {}
+    for r in reports:
+        if r.structure_targets:
+            by_component.setdefault(r.component, []).append(r)
+    for component, runs in by_component.items():
+        unreached = structure_unreached(runs)
+        dims = len({d for r in runs for d in r.structure_targets})
+        if unreached:
+            below = ", ".join(f"{k} {got}/{most}" for k, (got, most) in unreached.items())
+            console.print(f"[yellow]{component}: structure: {dims - len(unreached)}/{dims} dimensions at their maximum "
+                          f"on some config; below: {below}[/]", highlight=False)
+        else:
+            console.print(f"{component}: structure: all {dims} dimensions at their maximum on some config "
+                          f"({len(runs)} config(s))", highlight=False, markup=False)
 
 
 def run_mutants(profile: str, components: Iterable[Component | str] = (),

@@ -27,12 +27,18 @@ def _status(complete: bool) -> dict[str, Any]:
     return {"status": "complete" if complete else "running", "complete": complete}
 
 
-def prove_json(results: list[Result], *, complete: bool = True) -> dict[str, Any]:
+def prove_json(results: list[Result], *, complete: bool = True, wall_seconds: float | None = None,
+               workers: int | None = None) -> dict[str, Any]:
+    """``summary`` also has ``solver_seconds`` (the obligations' seconds, summed), ``wall_seconds`` (the run's
+    wall-clock time so far) and ``workers`` (its worker processes; 1: in kvproof's own process), the last two
+    ``null`` when the caller did not measure them."""
     rows = [{"obligation": r.obligation.name, "component": r.obligation.component, "expect": r.obligation.expect,
              "status": r.status, "ok": r.ok, "seconds": round(r.seconds, 3), "statement": r.obligation.statement,
              "detail": r.detail or None} for r in results]
-    return {"format": PROVE_FORMAT, **header(), **_status(complete),
-            "summary": {"obligations": len(results), "failed": sum(not r.ok for r in results)}, "results": rows}
+    summary = {"obligations": len(results), "failed": sum(not r.ok for r in results),
+               "solver_seconds": round(sum(r.seconds for r in results), 3),
+               "wall_seconds": None if wall_seconds is None else round(wall_seconds, 3), "workers": workers}
+    return {"format": PROVE_FORMAT, **header(), **_status(complete), "summary": summary, "results": rows}
 
 
 def prove_junit(results: list[Result]) -> JUnitSuite:

@@ -127,6 +127,34 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         # 0.5.23's scheduler matches each request right before its add (get_new_batch_prefill's loop); the seed-era
         # one matched the whole queue first, so an earlier load-back or an eviction could make a match stale (§5.7)
         self.match_each = c.policy is AdmissionPolicy.UPSTREAM_0523
+        self.events: dict[tuple[str, object], int] = {}  # per-example counts of structural events (_count)
+
+    # ------------------------------------------------------------ structural coverage
+
+    @classmethod
+    def structure(cls, config: AdmissionSetup) -> dict[str, int]:
+        """Several requests waiting, admitted in one round and running at once; a refusal and two continuations of
+        one request (where chunked prefill is on); the SWA pool exhausted; evictions and rounds in one example.
+
+        ``add_chunked_req deferred`` is measured (the reports show it) but not a target: no default config reached
+        it in 25,000 steps each (the continuation goes first in its round, and every policy's reservations leave
+        it room there); a deferral is driven directly by tests/spec/test_drift_admission.py and
+        tests/gpu_runtime/test_admission.py."""
+        chunked = config.config.chunk_size is not None
+        return {"requests waiting at once": 8, "requests admitted in one round": 2, "requests running at once": 5,
+                "add_one_req refused": 1, "add_chunked_req per request": 2 if chunked else 0,
+                "swa pool exhausted": 1, "evict per example": 4, "get_new_batch_prefill per example": 6}
+
+    def measure(self) -> dict[str, int]:
+        statuses = [r.status for r in self.ref.requests]
+        return {"requests waiting at once": statuses.count(ReqStatus.WAITING),
+                "requests running at once": statuses.count(ReqStatus.RUNNING),
+                "swa pool exhausted": int(self.ref.available == 0)}
+
+    def _count(self, dimension: str, key: object = None) -> None:
+        """One more event of ``dimension`` in this example (per ``key`` when given); the run keeps the most."""
+        self.events[dimension, key] = self.events.get((dimension, key), 0) + 1
+        self.note(dimension, self.events[dimension, key])
 
     # ------------------------------------------------------------ helpers
 
@@ -235,6 +263,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                         self.impl.get_new_batch_prefill)
         if out:
             self.ref = out[0][0]
+            self._count("get_new_batch_prefill per example")
             self.queue, self.matched, self.stopped = self._waiting(), set(), False
             self.continuing = self._chunked()
 
@@ -266,6 +295,8 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.fail(f"add_chunked_req returned {got} for {described} with rem_swa_tokens {rem}, the reference "
                       f"{want}")
         self.trace.outcome(f" -> {want.value}")
+        self._count("add_chunked_req per request", rid)
+        self.note("add_chunked_req deferred", int(want is ad.ChunkedResult.DEFERRED))
         if ad.budget_state(self.ref) is ad.AddReqResult.OTHER:
             self.stopped = True
         if want is ad.ChunkedResult.DEFERRED and alone:
@@ -325,6 +356,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.fail(f"add_one_req returned {got} for request {rid}, the reference {want}")
         self.trace.outcome(f" -> {want.value}")
         refused = self.ref.requests[rid].status is ReqStatus.WAITING
+        self.note("add_one_req refused", int(refused))
         if refused or want is not ad.AddReqResult.CONTINUE:
             self.stopped = True
         if refused and idle:
@@ -341,6 +373,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         """Once the adder stopped (or the queue is done) the round's batch allocates every admitted chunk (A1: it
         must fit); the round closes."""
         pending = [rid for rid in self.ref.adder.can_run] if self.ref.adder else []
+        self.note("requests admitted in one round", len(pending))
         pages = {rid: ad.chunk_pages(self.ref, rid) for rid in pending}
         done = {rid: ad.own_len(self.ref, rid) for rid in pending}
         out = self.call("prepare_for_extend", f"requests {pending}", lambda: (ad.prepare_for_extend(self.ref), None),
@@ -368,6 +401,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                         lambda: self.impl.evict(n))
         if out:
             self.ref = out[0][0]
+            self._count("evict per example")
 
     @operation(when=lambda self: not self._round_open() and self._uncached(), data=st.data())
     def cache_unfinished_req(self, data: Any) -> None:

@@ -25,17 +25,28 @@ import re
 import time
 import unittest
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+import hypothesis
 from hypothesis import settings as Settings  # noqa: N812 - the class, next to a `settings` argument
+from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 from pydantic import BaseModel
 
-from kvproof.conformance.errors import ConformanceFailure, HarnessBug, LockstepFailure, RunInterrupted, UsageError
+from kvproof.conformance.breadth import drive
+from kvproof.conformance.database import load_vectors, save_vector
+from kvproof.conformance.errors import (
+    ConformanceFailure,
+    HarnessBug,
+    LockstepFailure,
+    RunInterrupted,
+    UsageError,
+    VectorError,
+)
 from kvproof.conformance.generation import stable_generation
 from kvproof.conformance.isolation import (
     DEFAULT_MEMORY_LIMIT_MB,
@@ -50,13 +61,16 @@ from kvproof.conformance.lockstep import (
     Lockstep,
     MisuseCase,
     OperationTimeout,
+    RunProgress,
     RunStats,
     call_implementation,
+    deadline_scope,
     escape_message,
 )
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
+from kvproof.conformance.shrink import shrink
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult, replay
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
@@ -64,11 +78,15 @@ from kvproof.reference.registry import Component, Layer, info
 __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
            "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "factory_spec", "failure_text", "get_suite",
            "kill_mutants", "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check",
-           "run_swa_allocator_check"]
+           "run_swa_allocator_check", "structure_unreached"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
 DEFAULT_OP_TIMEOUT = 60.0
+#: How a run draws its examples: Hypothesis' engine, or the breadth driver (kvproof.conformance.breadth).
+ENGINES = ("hypothesis", "breadth")
+#: Seconds between two progress reports of a run (a report is a note from an isolated child).
+PROGRESS_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -161,10 +179,38 @@ class CheckReport:
     impl_version: str = ""  # the implementation's declared ``version`` attribute, if any
     fingerprint: str = ""  # digest of every example's steps: same seed and command, same fingerprint
     calls: dict[str, int] = field(default_factory=dict)  # operations called on both sides
+    #: the most each structural dimension reached, and the most the suite's strategies can reach on the config
+    structure: dict[str, int] = field(default_factory=dict)
+    structure_targets: dict[str, int] = field(default_factory=dict)
+    #: when the run first saw its failure, before any shrinking: seconds from its start and lockstep steps done
+    detected_seconds: float | None = None
+    detected_steps: int | None = None
+
+    def structure_missed(self) -> dict[str, tuple[int, int]]:
+        """Dimensions the run did not take to their maximum: ``{name: (reached, maximum)}``."""
+        return {k: (self.structure.get(k, 0), v) for k, v in self.structure_targets.items()
+                if self.structure.get(k, 0) < v}
 
     @property
     def passed(self) -> bool:
         return self.failure is None
+
+
+def structure_unreached(reports: Iterable[CheckReport]) -> dict[str, tuple[int, int]]:
+    """Over the runs of one component on its configs (a ``ci`` run of the default configs): the dimensions no run
+    took to its maximum on its config, each with the most any run reached and the largest maximum declared. A
+    dimension's maximum may differ per config (pages of one request), or be 0 where a config cannot reach it (a
+    misuse of a page of P > 1): reaching it on one config is reaching it."""
+    best: dict[str, tuple[int, int]] = {}
+    done: set[str] = set()
+    for report in reports:
+        for dim, most in report.structure_targets.items():
+            got = report.structure.get(dim, 0)
+            if got >= most:
+                done.add(dim)
+            old = best.get(dim, (0, 0))
+            best[dim] = (max(old[0], got), max(old[1], most))
+    return {dim: v for dim, v in sorted(best.items()) if dim not in done}
 
 
 class _MachineFactory:
@@ -175,9 +221,9 @@ class _MachineFactory:
     the same examples whichever entry point (CLI, pytest plugin, Python API) runs it.
     """
 
-    def __init__(self, suite: Suite, binding: Binding[Any]) -> None:
+    def __init__(self, suite: Suite, binding: Binding[Any], name: str | None = None) -> None:
         self.suite, self.binding = suite, binding
-        self.__name__ = f"kvproof:{suite.component.value}/{binding.config.label()}"
+        self.__name__ = name or f"kvproof:{suite.component.value}/{binding.config.label()}"
 
     def __call__(self) -> Lockstep[Any, Any]:
         return self.suite.machine(self.binding)
@@ -225,9 +271,10 @@ def _cannot_fork() -> bool:
 def run_check(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
               settings: Settings | None = None, profile: str = "ci", impl_name: str | None = None, replay: str = "",
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-              replay_saved: bool = False, progress: Callable[[int, bool], None] | None = None,
-              isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
-              **machine_options: Any) -> CheckReport:
+              replay_saved: bool = False, progress: Callable[[RunProgress], None] | None = None,
+              isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, seed: int | None = None,
+              database: ExampleDatabase | None = None, identity: str | None = None, engine: str = "hypothesis",
+              target: bool = False, **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
     ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).
@@ -236,7 +283,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     the shrunk failing example; with ``failures_dir`` both are saved there the moment the failure
     is first seen and replaced by the shrunk one at the end (:mod:`kvproof.conformance.saved`).
     With ``replay_saved`` the failures saved there for this test are replayed first, and one that
-    still fails is the verdict. ``progress(examples, shrinking)`` is called at every example.
+    still fails is the verdict. ``progress`` hears a :class:`RunProgress` as examples go by (at most every
+    :data:`PROGRESS_S` seconds, and when shrinking starts).
     Ctrl-C raises :class:`RunInterrupted` carrying the report so far.
 
     ``isolation="process"`` (the default) runs the whole run in a child process
@@ -245,12 +293,26 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     verdict naming the call and the step, never ends the caller. ``"in-process"`` is faster and
     unprotected against those. The child's progress and its first verdict come back to this
     process as they happen (``progress`` is called here, not in the child).
+
+    A fuzzing campaign (:mod:`kvproof.conformance.fuzz`) runs a randomized profile with ``seed`` (Hypothesis' public
+    ``@seed`` on the test: the same seed, the same examples) and a shared ``database``
+    (:mod:`kvproof.conformance.database`): Hypothesis saves each failure's choices there the moment it is found and
+    replays them first in later runs, and every failure's vector is kept there too (``replay_saved`` replays those as
+    well); ``identity`` names the test there (default ``kvproof:<component>/<config>``). ``engine="breadth"`` runs
+    the suite's rules and checks without Hypothesis' engine (:mod:`kvproof.conformance.breadth`: ``max_examples``
+    swarm examples of ``stateful_step_count`` steps from ``seed``) and shrinks a failure's vector by replaying
+    candidates (:mod:`kvproof.conformance.shrink`). ``target`` steers Hypothesis toward the suite's
+    :attr:`~kvproof.conformance.lockstep.Lockstep.targets` (a campaign's runs; a conformance run never does, so its
+    examples stay what its seed makes them).
     """
+    if engine not in ENGINES:
+        raise UsageError(f"engine {engine!r}: choose one of {list(ENGINES)}")
     # "child": this run is the one an isolated run's child process makes (its notes go to the parent)
     if isolation != "child" and _isolation(isolation) == "process" and not _cannot_fork():
         return _run_isolated(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
                              replay=replay, failures_dir=failures_dir, op_timeout=op_timeout,
                              replay_saved=replay_saved, progress=progress, memory_limit_mb=memory_limit_mb,
+                             seed=seed, database=database, identity=identity, engine=engine, target=target,
                              **machine_options)
     suite = get_suite(component)
     name = suite.component.value
@@ -259,6 +321,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     # one failure per run, the shrunk one: its vector is the one the report carries; no @reproduce_failure
     # advice (the stateful test it names is built inside run_state_machine_as_test: nobody can decorate it)
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)
+    if database is not None:
+        settings = Settings(settings, database=database)
     start = time.perf_counter()
     try:  # under the per-call deadline, like every implementation call
         probe = call_implementation("the factory", lambda: factory(config), op_timeout)
@@ -274,37 +338,59 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                            failure)
     stats = RunStats(digest=hashlib.sha256())
     binding = Binding(factory, config, machine_options, impl_name, f"replay: {replay}" if replay else "", op_timeout,
-                      stats)
+                      stats, target=target)
     na = suite.machine.not_applicable(caps, config)
     store = FailureFile(failures_dir, name, impl_name, config.label()) if failures_dir is not None else None
-    if replay_saved and failures_dir is not None:
+    identity = identity or f"kvproof:{name}/{config.label()}"
+    if replay_saved and (failures_dir is not None or database is not None):
         hit = first_failing(failures_dir, name, impl_name, config,
                             make_vector(name, config, impl_name, machine_options, [])["machine_options"],
                             lambda v: replay_vector(v, factory, impl_name=impl_name, op_timeout=op_timeout,
-                                                    replay_hint=binding.replay_hint or None))
+                                                    replay_hint=binding.replay_hint or None),
+                            load_vectors(database, identity) if database is not None else ())
         if hit is not None:
-            path, saved_vector, result = hit
-            vector_file = str(Path(path).with_suffix(".json"))
-            failure = (f"{result.failure}\n\n(found by replaying {vector_file}, a failure saved by an earlier run, "
-                       f"before generating: kvproof replay {vector_file} --impl {impl_name}; --fresh ignores saved "
-                       "failures)")
+            where, saved_vector, result = hit
+            if where.endswith(".txt"):  # a file under failures_dir
+                vector_file = str(Path(where).with_suffix(".json"))
+                source, path = (f"{vector_file}, a failure saved by an earlier run, before generating: kvproof replay "
+                                f"{vector_file} --impl {impl_name}"), where
+            else:  # kept in the example database only (found on another machine of the fleet)
+                source, path = f"a failure kept in {where} ({identity}), before generating", None
+            failure = f"{result.failure}\n\n(found by replaying {source}; --fresh ignores saved failures)"
             return CheckReport(name, impl_name, config, caps, na, {}, {}, result.steps, 0,
                                time.perf_counter() - start, failure, path, (), saved_vector, declared_version)
     first: list[tuple[str, list[dict[str, Any]]]] = []  # the first verdict of the run and its steps
+    first_vector: list[dict[str, Any]] = []  # its vector, as kept in the database until the shrunk one replaces it
+    detected: dict[str, Any] = {"seconds": None, "steps": None}  # when the first verdict came (the bug benchmark)
 
     def first_seen(text: str, steps: list[dict[str, Any]]) -> None:
         if not first:
+            detected.update(seconds=time.perf_counter() - start, steps=stats.steps)
             first.append((text, json.loads(json.dumps(steps))))
+            seen = {**make_vector(name, config, impl_name, machine_options, steps, f"LockstepFailure: {text}"),
+                    "first_seen": True}
             if store is not None:
-                store.write(FIRST_SEEN + text, {**make_vector(name, config, impl_name, machine_options, steps,
-                                                              f"LockstepFailure: {text}"), "first_seen": True})
+                store.write(FIRST_SEEN + text, seen)
+            if database is not None:
+                save_vector(database, identity, seen)
+            first_vector.append(seen)
             notify("first_seen", text, first[0][1], str(store.path) if store is not None and store.path else None)
 
     stats.on_verdict = first_seen
-    if progress is not None:
-        stats.on_example = lambda s: progress(s.examples, bool(first))
-    elif isolation == "child":  # the parent's progress callback is called there, by note
-        stats.on_example = lambda s: notify("progress", s.examples, bool(first))
+    told: dict[str, Any] = {"at": 0.0, "shrinking": False}
+
+    def progressed(s: RunStats) -> None:  # at every example; passed on every PROGRESS_S, and when shrinking starts
+        now, shrinking = time.monotonic(), bool(first)
+        if now - told["at"] < PROGRESS_S and shrinking == told["shrinking"]:
+            return
+        told.update(at=now, shrinking=shrinking)
+        done = RunProgress(s.examples, s.steps, shrinking, dict(s.rules), dict(s.structure))
+        if progress is not None:
+            progress(done)
+        elif isolation == "child":  # the parent's progress callback is called there, by note
+            notify("progress", done)
+
+    stats.on_example = progressed
     failure = None
     saved: str | None = None
     vector: dict[str, Any] | None = None
@@ -314,12 +400,19 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
         never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
         return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
                            stats.examples, time.perf_counter() - start, failure, saved, never, vector,
-                           declared_version, stats.digest.hexdigest(), dict(stats.calls))
+                           declared_version, stats.digest.hexdigest(), dict(stats.calls), dict(stats.structure),
+                           structure_targets(suite, config, caps, na), detected["seconds"], detected["steps"])
 
     try:
-        with stable_generation():
-            # any zero-argument callable returning a machine is a factory (Hypothesis' docs); its stub says a class
-            run_state_machine_as_test(cast(Any, _MachineFactory(suite, binding)), settings=settings)
+        machines: Any = _MachineFactory(suite, binding, identity)
+        if seed is not None:
+            machines = hypothesis.seed(seed)(machines)
+        with stable_generation(), deadline_scope():
+            if engine == "breadth":
+                drive(machines, seed=seed or 0, examples=settings.max_examples, steps=settings.stateful_step_count)
+            else:
+                # any zero-argument callable returning a machine is a factory (Hypothesis' docs); its stub says a class
+                run_state_machine_as_test(machines, settings=settings)
     except HarnessBug:
         raise
     except KeyboardInterrupt as err:  # stopped by the user: the first-seen failure (if any) is on disk already
@@ -339,9 +432,16 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
             failure = (f"LockstepFailure: {first[0][0]}\n\n(intermittent: the failure did not recur when "
                        f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
             steps = first[0][1]
+        elif engine == "breadth":  # no engine shrank it: the vector is shrunk by replaying candidates
+            shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
+                            lambda v: _replayed(v, factory, impl_name, op_timeout, binding.replay_hint))
+            if shrunk is not None:
+                failure, steps = shrunk.failure, shrunk.vector["steps"]
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
         if store is not None:
             saved = store.write(failure, vector)
+        if database is not None:
+            save_vector(database, identity, vector, replaces=first_vector[0] if first_vector else None)
     else:
         if first and store is not None and store.path is not None:  # seen once, then never again: say so
             saved = store.write(f"seen once, but the run passed (Hypothesis could not reproduce it):\n\n"
@@ -349,8 +449,32 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     return report()
 
 
+def structure_targets(suite: Suite, config: Any, caps: frozenset[Capability], na: tuple[str, ...]
+                      ) -> dict[str, int]:
+    """The structural dimensions a run of ``suite`` on ``config`` must take to their maximum: each applicable misuse
+    case once (for an implementation that rejects misuse), and the suite's own (which also says which misuse cases
+    ``config`` cannot stage: maximum 0). A dimension named after a rule (``"replay per example"``) is dropped where
+    that rule is not applicable (``na``: the implementation lacks a capability it needs)."""
+    out: dict[str, int] = {}
+    if Capability.REJECTS_MISUSE in caps:
+        out = {f"misuse {name}": 1 for name in suite.misuse_cases if f"misuse:{name}" not in na}
+    out |= suite.machine.structure(config)
+    return {k: v for k, v in out.items() if v > 0 and k.split(" ", 1)[0] not in na}
+
+
+def _replayed(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: str, op_timeout: float | None,
+              hint: str) -> tuple[int, str | None]:
+    """A shrink candidate replayed in this process: (steps done before it failed, its failure or ``None``)."""
+    try:
+        result = replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout, replay_hint=hint or None,
+                               isolation="in-process")
+    except VectorError:
+        return 0, None
+    return result.steps, result.failure
+
+
 def _run_isolated(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
-                  progress: Callable[[int, bool], None] | None, memory_limit_mb: int, impl_name: str | None,
+                  progress: Callable[[RunProgress], None] | None, memory_limit_mb: int, impl_name: str | None,
                   replay: str, failures_dir: Path | None, op_timeout: float | None,
                   **kwargs: Any) -> CheckReport:
     """:func:`run_check` in a supervised child; its progress and first verdict come back as notes."""
@@ -361,7 +485,7 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
 
     def on_note(note: tuple[Any, ...]) -> None:
         if note[0] == "progress" and progress is not None:
-            progress(note[1], note[2])
+            progress(note[1])
         elif note[0] == "first_seen" and not first:
             first.append((note[1], note[2], note[3]))
 
@@ -386,7 +510,8 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
 
 
 #: keyword arguments of run_check that are not machine options
-_RUN_OPTIONS = frozenset({"settings", "profile", "replay_saved"})
+_RUN_OPTIONS = frozenset({"settings", "profile", "replay_saved", "seed", "database", "identity", "engine",
+                          "target"})
 
 
 def _crash_text(impl_name: str, label: str, crash: Crash, hint: str) -> str:
@@ -443,11 +568,12 @@ def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl
                for k, v in vector.get("machine_options", {}).items()}
     hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
     binding = Binding(factory, config, options, impl_name, hint, op_timeout, RunStats())
-    try:
-        machine = suite.machine(binding)
-    except LockstepFailure as err:
-        return ReplayResult(suite.component.value, config.label(), 0, f"LockstepFailure: {err}")
-    return replay(vector, machine)
+    with deadline_scope():
+        try:
+            machine = suite.machine(binding)
+        except LockstepFailure as err:
+            return ReplayResult(suite.component.value, config.label(), 0, f"LockstepFailure: {err}")
+        return replay(vector, machine)
 
 
 def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs: Any) -> CheckReport:

@@ -12,7 +12,9 @@ every implementation call the lockstep machine makes (:class:`~kvproof.conforman
   originals, never the clones: the ``loc_cache`` suite depends on the identity and address
   of the tensors it passes (``kvproof.conformance.index_arena``);
 * after an operation in ``CALLER_OWNED_RESULTS`` it keeps the returned tensor and a clone
-  (not one sharing storage with an argument), and after every later call compares them.
+  (not one sharing storage with an argument), and after every later *step* compares them (the lockstep
+  framework's per-step check, :meth:`Custody.returned_problem`: a write into them shows within the step that made
+  it, named with the step's operations; comparing them after every call cost more than the rest of the step).
   At most :data:`TRACKED` results are kept per example (the newest).
 
 The harness itself never writes into a tensor after handing it over or receiving it.
@@ -107,15 +109,11 @@ class Custody:
 
     def after(self, op: str, method: Any, inputs: list[tuple[str, Any, Any]], step: int = 0, result: Any = None, *,
               returned: bool = False) -> str | None:
-        """What the call wrote into the caller's tensors (``None`` if nothing); keeps a caller-owned ``result``."""
+        """What the call wrote into its inputs (``None`` if nothing); keeps a caller-owned ``result``."""
         for where, tensor, clone in inputs:
             if not _same(tensor, clone):
                 return (f"{op} wrote into its input {_argument(method, where)} "
                         f"(before {_show(clone)}, after {_show(tensor)})")
-        for earlier_op, earlier_step, tensor, clone in self.returned:
-            if not _same(tensor, clone):
-                return (f"{op} wrote into the tensor {earlier_op} returned at step {earlier_step} "
-                        f"(then {_show(clone)}, now {_show(tensor)})")
         if returned and op in CALLER_OWNED_RESULTS:
             import torch
 
@@ -123,4 +121,13 @@ class Custody:
                 storages = {_storage(t) for _, t, _ in inputs}
                 if _storage(result) not in storages:
                     self.returned.append((op, step, result, result.detach().clone()))
+        return None
+
+    def returned_problem(self, calls: str) -> str | None:
+        """What the implementation wrote into a tensor it returned earlier (``None`` if nothing): checked after every
+        step; ``calls`` names the step's calls (one of them wrote it)."""
+        for earlier_op, earlier_step, tensor, clone in self.returned:
+            if not _same(tensor, clone):
+                return (f"{calls} wrote into the tensor {earlier_op} returned at step {earlier_step} "
+                        f"(then {_show(clone)}, now {_show(tensor)})")
         return None

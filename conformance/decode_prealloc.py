@@ -68,6 +68,26 @@ class DecodePreallocMachine(SWALockstep):
         self.decode_config: dp.DecodeConfig = binding.options.get("decode_config", DEFAULT_DECODE_CONFIG)
         self.node = dp.initial_node(self.decode_config)
         self.copies: dict[int, object] = {}  # the implementation's CPU copies of retracted requests
+        self.resumptions = 0  # resume_retracted_reqs calls in this example
+
+    # ------------------------------------------------------------ structural coverage
+
+    @classmethod
+    def structure(cls, config: PoolConfig) -> dict[str, int]:
+        """Arrivals of 1-3 requests and runs of 1-4 decode steps; several requests queued, admitted in one round,
+        running and retracted at once; both pools exhausted and a decode step stalled on them; four resumptions in
+        one example (the union over the default configs reaches each: one config alone need not)."""
+        return {"arrive batch size": 3, "decode steps in a row": 4, "requests queued at once": 8,
+                "requests admitted in one round": 3, "requests running at once": 4, "requests retracted at once": 3,
+                "resume_retracted_reqs per example": 4, "full pool exhausted": 1, "swa pool exhausted": 1,
+                "decode stalled": 1}
+
+    def measure(self) -> dict[str, int]:
+        node = self.node
+        return {"requests queued at once": len(node.queue), "requests running at once": len(node.running),
+                "requests retracted at once": len(node.retracted),
+                "full pool exhausted": int(not self.ref.full.free_pages),
+                "swa pool exhausted": int(not self.ref.swa.free_pages)}
 
     # ------------------------------------------------------------ rules
 
@@ -77,7 +97,9 @@ class DecodePreallocMachine(SWALockstep):
         p, w, top = self.p, self.w, self.config.size_full
         edges = sorted({x for x in (w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, p - 1, p, p + 1, 2 * p + 1, 1)
                         if 1 <= x <= top})
-        for _ in range(data.draw(st.integers(1, 3), label="arrivals")):
+        arrivals = data.draw(st.integers(1, 3), label="arrivals")
+        self.note("arrive batch size", arrivals)
+        for _ in range(arrivals):
             origin = data.draw(st.one_of(st.sampled_from(edges), st.integers(1, top)), label="origin_input_len")
             out = data.draw(st.sampled_from([1, 2]), label="output_len")
             max_new = data.draw(st.one_of(st.integers(out + 1, 4), st.integers(out + 1, 3 * p + w)),
@@ -89,16 +111,22 @@ class DecodePreallocMachine(SWALockstep):
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.queue)
     def pop_preallocated(self) -> None:
         """One admission round: budgets, gates, preallocation (D1 must hold)."""
-        self._step("pop_preallocated", dp.pop_preallocated(self.node, self.ref))
+        result = dp.pop_preallocated(self.node, self.ref)
+        self.note("requests admitted in one round", len(result.rids))
+        self._step("pop_preallocated", result)
 
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
     def decode(self, data: Any) -> None:
         """1-4 decode steps of the running batch in a row, as a scheduler runs them (each stalls, changing nothing,
         if the pools are short): consecutive steps are what fill the pools between admission rounds."""
-        for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        steps = data.draw(st.integers(1, 4), label="steps")
+        self.note("decode steps in a row", steps)
+        for _ in range(steps):
             if not self.node.running:
                 return
-            self._step("decode", dp.decode(self.node, self.ref))
+            result = dp.decode(self.node, self.ref)
+            self.note("decode stalled", int(result.stalled))
+            self._step("decode", result)
 
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
     def retract(self, data: Any) -> None:
@@ -109,6 +137,8 @@ class DecodePreallocMachine(SWALockstep):
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.retracted)
     def resume_retracted_reqs(self) -> None:
         """Re-admit retracted requests and load their KV back (D1 must hold here too)."""
+        self.resumptions += 1
+        self.note("resume_retracted_reqs per example", self.resumptions)
         self._step("resume_retracted_reqs", dp.resume_retracted_reqs(self.node, self.ref))
 
     # ------------------------------------------------------------ replay of the scheduler's calls

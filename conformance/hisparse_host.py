@@ -77,6 +77,8 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
         self.p = self.config.page_size
         self.running: dict[int, Running] = {}  # request slot -> request
         self.next_rid, self.tag = 1, 0
+        self.used_slots: set[int] = set()  # request slots admitted into in this example
+        self.reused = 0  # admissions into a slot an earlier request of this example held
 
     # ------------------------------------------------------------ helpers
 
@@ -117,6 +119,23 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
             self.fail(f"{op} returned host slots {got[:12]} for positions {positions[:12]} of request slot {req}, "
                        f"but the row holds {want[:12]} there")
 
+    # ------------------------------------------------------------ structural coverage
+
+    @classmethod
+    def structure(cls, config: hh.HostPoolConfig) -> dict[str, int]:
+        """Every request slot running at once and backed up in one batch; a row allocated to its last page; the
+        host pool exhausted; a request finished and its slot admitted again in one example."""
+        return {"requests running at once": config.max_req_slots,
+                "eager_backup_previous_token batch size": config.max_req_slots,
+                "host pages of one request": config.row_width // config.transfer_page_size,
+                "host pool exhausted": 1, "slots reused per example": 2}
+
+    def measure(self) -> dict[str, int]:
+        t = self.config.transfer_page_size
+        return {"requests running at once": len(self.running),
+                "host pages of one request": max((-(-len(row) // t) for row in self.ref.rows), default=0),
+                "host pool exhausted": int(hh.available_size(self.ref) == 0)}
+
     # ------------------------------------------------------------ rules
 
     @operation(when=lambda self: self._free_slots(), data=st.data())
@@ -134,6 +153,10 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
                                 lambda: self.impl.admit_request_into_staging(r, torch.tensor(values)))
         if out:
             (self.ref, _), impl_slots = out
+            if r in self.used_slots:
+                self.reused += 1
+                self.note("slots reused per example", self.reused)
+            self.used_slots.add(r)
             self.next_rid += 1
             self.running[r] = Running(rid, n + 1)
             self._check_returned("admit_request_into_staging", r, list(range(n)), impl_slots)
@@ -145,6 +168,7 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
                           label="batch")  # request slots: plain values
         if not self.supports(C.ATOMIC_BACKUP_BATCH):
             batch = self._cut_short_batch(batch)
+        self.note("eager_backup_previous_token batch size", len(batch))
         seqs = [self.running[r].seq_len for r in batch]
         values = self._values(len(batch))
         args = ", ".join(f"slot {r}: seq_len {s}" for r, s in zip(batch, seqs, strict=True))

@@ -32,6 +32,7 @@ from kvproof.conformance.lockstep import Watched, operation, scenario
 from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.reference import index_memory as im
 from kvproof.reference import swa_allocator as ref
+from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component
 
@@ -75,6 +76,16 @@ class LocCacheMachine(SWAAllocatorMachine):
         self.batch_len = 1  # tokens of the last forward: the next batch is often the same size
         # pool 1: an idle pool of the same geometry, under the same deadline as pool 0
         self.other = Watched(self._deadline("the factory (pool 1)", lambda: binding.factory(binding.config)), self)
+
+    # ------------------------------------------------------------ structural coverage
+
+    @classmethod
+    def structure(cls, config: PoolConfig) -> dict[str, int]:
+        """The allocator's dimensions, plus: runs of 1-3 translations on both pools; forwards of 1-3 tokens; two
+        replays of a captured graph and a mapping registered twice in one example."""
+        return {**super().structure(config), "translate_loc_from_full_to_swa in a row": 3,
+                "translate_loc_from_full_to_swa on pool 0": 1, "translate_loc_from_full_to_swa on pool 1": 1,
+                "forward tokens": 3, "replay per example": 2, "register_mapping per example": 2}
 
     # ------------------------------------------------------------ index memory
 
@@ -167,7 +178,9 @@ class LocCacheMachine(SWAAllocatorMachine):
             self._translate(first, 0)
             self._translate(second, 0)
             return
-        for _ in range(data.draw(st.integers(1, 3), label="translations")):
+        translations = data.draw(st.integers(1, 3), label="translations")
+        self.note("translate_loc_from_full_to_swa in a row", translations)
+        for _ in range(translations):
             view = data.choose(self._alive_views(), "view")
             self._translate(view, data.draw(st.sampled_from([0, 1]), label="pool"))
 
@@ -188,6 +201,7 @@ class LocCacheMachine(SWAAllocatorMachine):
         """One translation on pool 0 or 1; it must equal that pool's own current mapping at the view's contents
         (freshness; the mapping itself is compared with the reference after every step)."""
         target = self.impl if pool == 0 else self.other
+        self.note(f"translate_loc_from_full_to_swa on pool {pool}")
         if pool == 0:
             self.sticky = view
         contents = im.view_contents(self.memory, view)
@@ -230,6 +244,7 @@ class LocCacheMachine(SWAAllocatorMachine):
         top = min(3, len(req.slots))
         same = self.batch_len <= top and data.draw(st.booleans(), label="same_batch_size")
         k = self.batch_len if same else data.draw(st.integers(1, top), label="tokens")
+        self.note("forward tokens", k)
         if self.phase == "quiet" and self.batch_storage is not None and data.draw(st.booleans(), label="prepare"):
             self._prepare_batch()  # the previous out_cache_loc is freed right before this batch
         self._forward_batch(data, req.slots[-k:], f"request {req.rid}")
@@ -366,6 +381,7 @@ class LocCacheMachine(SWAAllocatorMachine):
                         lambda: (self._ref_write(ref_slots, rows), None), self.impl.replay)
         if out:
             self.ref = out[0][0]
+            self._cycle("replay")
         self._end_batch(batch, graph.numel)
 
     # ------------------------------------------------------------ register_mapping
@@ -378,6 +394,7 @@ class LocCacheMachine(SWAAllocatorMachine):
             self.ref = out[0][0]
             self.reqs.clear()
             self.names.reset()
+            self._cycle("register_mapping")
 
 
 

@@ -35,27 +35,29 @@ Errors are of two kinds and never mixed: *verdicts* about the implementation
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import queue
 import signal
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
+from hypothesis import currently_in_test_context, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvproof.conformance.custody import Custody
 from kvproof.conformance.errors import HarnessBug, LockstepFailure
-from kvproof.reference.contract import CALLER_OWNED_RESULTS, Capability
+from kvproof.reference.contract import CALLER_OWNED_RESULTS, QUERIES, Capability
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.registry import Component
 
 __all__ = ["Binding", "CallMonitor", "Lockstep", "MisuseCall", "MisuseCase", "Operation", "OperationTimeout",
-           "RunStats", "Trace", "call_implementation", "check_after_each_step", "escape_message", "index_problem",
-           "misuse", "operation", "scenario", "set_monitor"]
+           "RunProgress", "RunStats", "Trace", "call_implementation", "check_after_each_step", "deadline_scope",
+           "escape_message", "index_problem", "misuse", "operation", "scenario", "set_monitor"]
 
 ConfigT = TypeVar("ConfigT")
 ImplT = TypeVar("ImplT")
@@ -81,6 +83,9 @@ class Operation:
     is_operation: bool = True
     #: performed on the environment (index memory, the scheduler), not a method of the implementation
     environment: bool = False
+    #: the strategies of the rule's plain arguments, by name (``data`` for draws that depend on the state): what
+    #: Hypothesis draws them from, and what the breadth driver samples (kvproof.conformance.breadth)
+    strategies: tuple[tuple[str, Any], ...] = ()
 
     def needs_on(self, config: Any) -> frozenset[Capability]:
         """The capabilities this rule needs on ``config`` (a suite may make them depend on the page size)."""
@@ -139,7 +144,8 @@ def operation(name: str | None = None, *, needs: Needs | Iterable[Capability] = 
     """
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
-        op = Operation(name or function.__name__, caps, frozenset(needs_any), when, True, environment)
+        op = Operation(name or function.__name__, caps, frozenset(needs_any), when, True, environment,
+                       tuple(strategies.items()))
         return _declare(op, strategies)(function)
 
     return decorate
@@ -151,7 +157,7 @@ def scenario(*, needs: Needs | Iterable[Capability] = frozenset(), needs_any: It
     """Declare a harness step made of several operations (its name is the method's); gated and recorded alike."""
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
-        op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True)
+        op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True, tuple(strategies.items()))
         return _declare(op, strategies)(function)
 
     return decorate
@@ -216,10 +222,35 @@ class _Worker:
 
 _worker: _Worker | None = None
 _watched = 0  # depth of watched calls on the main thread (a nested call runs inside the outer deadline)
+_scoped = 0  # depth of deadline scopes: while > 0, SIGALRM's handler is ours and each call only arms the timer
 
 
 def _alarm(signum: int, frame: Any) -> None:
     raise OperationTimeout("no return within the per-operation timeout")
+
+
+def _alarms() -> bool:
+    return threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+
+
+@contextlib.contextmanager
+def deadline_scope() -> Iterator[None]:
+    """Install the ``SIGALRM`` handler once for a whole run (main thread, POSIX): inside the block each watched call
+    only arms and disarms the timer (two system calls) instead of installing and restoring the handler around every
+    call (what :func:`call_with_timeout` does on its own). Elsewhere a no-op."""
+    global _scoped
+    if not _alarms():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _alarm) if not _scoped else None
+    _scoped += 1
+    try:
+        yield
+    finally:
+        _scoped -= 1
+        if not _scoped:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
@@ -233,15 +264,17 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
     global _worker, _watched
     if timeout is None or _watched:
         return fn()
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        previous = signal.signal(signal.SIGALRM, _alarm)
+    scoped = _scoped and threading.current_thread() is threading.main_thread()  # the handler is installed already
+    if scoped or _alarms():
+        previous = None if scoped else signal.signal(signal.SIGALRM, _alarm)
         _watched += 1
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             return fn()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+            if not scoped:
+                signal.signal(signal.SIGALRM, previous)
             _watched -= 1
     if _worker is None:
         _worker = _Worker()
@@ -306,21 +339,30 @@ class Watched:
     objects are unwrapped when passed back; attributes that are not methods read through.
     """
 
-    __slots__ = ("_machine", "_target")
+    __slots__ = ("_machine", "_methods", "_target")
 
     def __init__(self, target: Any, machine: Lockstep[Any, Any]) -> None:
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_machine", machine)
+        object.__setattr__(self, "_methods", {})  # name -> its watched wrapper (built once)
 
     def __getattr__(self, name: str) -> Any:
+        known = self._methods.get(name)
+        if known is not None:
+            return known
         value = getattr(self._target, name)
         if not callable(value) or isinstance(value, type):
             return value
         machine = self._machine
+        changes = name not in QUERIES  # any other call may change what snapshot() reports
 
         def watched(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(unwrap(a) for a in args)
-            kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+            if args:
+                args = tuple(unwrap(a) for a in args)
+            if kwargs:
+                kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+            if changes:
+                machine.impl_calls += 1
             custody = machine.custody
             inputs = custody.before(args, kwargs)
             try:
@@ -338,6 +380,7 @@ class Watched:
                 machine.fail(problem)
             return Watched(result, machine) if name in SERVICES else result
 
+        self._methods[name] = watched
         return watched
 
     def __repr__(self) -> str:
@@ -431,6 +474,17 @@ class Trace:
         return "\n".join(lines) or "  (no operation yet)"
 
 
+@dataclass(frozen=True)
+class RunProgress:
+    """What a run has done so far, as a progress callback hears it (from an isolated child: by note)."""
+
+    examples: int
+    steps: int
+    shrinking: bool  # a failure was found and Hypothesis is shrinking it
+    rules: Mapping[str, int] = field(default_factory=dict)  # rule executions so far
+    structure: Mapping[str, int] = field(default_factory=dict)  # the most each structural dimension reached so far
+
+
 @dataclass
 class RunStats:
     """One run's counters, shared by the machines of its examples (reported by ``run_check``)."""
@@ -449,6 +503,8 @@ class RunStats:
     on_verdict: Callable[[str, list[dict[str, Any]]], None] | None = None
     #: called at the start of every example (live progress: examples so far, "shrinking…")
     on_example: Callable[[RunStats], None] | None = None
+    #: the most each structural dimension reached (:meth:`Lockstep.note`, :meth:`Lockstep.measure`)
+    structure: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -462,6 +518,8 @@ class Binding(Generic[ConfigT]):
     replay_hint: str = ""
     op_timeout: float | None = None  # seconds per implementation call; None: no deadline
     stats: RunStats = field(default_factory=RunStats)
+    #: steer Hypothesis toward the suite's :attr:`Lockstep.targets` (``hypothesis.target``; a campaign's runs)
+    target: bool = False
 
 
 # ---------------------------------------------------------------- the machine
@@ -474,6 +532,9 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     component: ClassVar[Component | None] = None
     #: what ``snapshot()`` must return (``None``: not checked)
     snapshot_type: ClassVar[type | None] = None
+    #: structural dimensions Hypothesis is steered toward in a campaign (``hypothesis.target``, once per example,
+    #: with the most the example reached): those that make the state deep, such as a full pool
+    targets: ClassVar[tuple[str, ...]] = ()
     #: the declarations of the class, collected once per class (rules, misuse cases, per-step checks)
     operations: ClassVar[dict[str, Operation]]
     rule_methods: ClassVar[dict[str, str]]  # operation name -> the method that declares it
@@ -516,6 +577,11 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         if self.stats.hung:  # an earlier example hung: never call the implementation again in this run
             raise LockstepFailure(self.stats.hung)
         self.trace = Trace(journal=_monitor is not None)
+        self.example_structure: dict[str, int] = {}  # the most each dimension reached in this example
+        self._gates_at = -1  # the step whose preconditions _gates holds
+        self._gates: dict[str, bool] = {}
+        self.impl_calls = 0  # implementation calls so far, snapshot() excepted (Watched counts them)
+        self._snap: tuple[int, Any] | None = None  # (impl_calls when taken, the snapshot)
         self.last_op = ""
         self.vector: list[dict[str, Any]] = []  # the steps so far, replayable (kvproof.conformance.vector)
         self.custody = Custody()  # the caller's tensors: inputs and returned indices (kvproof.conformance.custody)
@@ -533,6 +599,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (building the "
                       f"implementation of example {self.stats.examples})")
         self.caps: frozenset[Capability] = frozenset(built.capabilities)
+        #: each operation's capability gate on this run (capabilities and config are fixed for the example)
+        self.applicable = {name: op.applicable(self.caps, self.config) for name, op in self.operations.items()}
         self.impl: Any = Watched(built, self)
 
     # ------------------------------------------------------------ declarations at work
@@ -562,16 +630,68 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
                     if not cls.operations[case.op].applicable(caps, config)]
         return tuple(out)
 
+    def _gate(self, name: str, compute: Callable[[], bool]) -> bool:
+        """A rule's precondition, computed once per step (Hypothesis asks it several times while it picks a rule;
+        nothing changes the machine between two rules)."""
+        step = len(self.vector)
+        if self._gates_at != step:
+            self._gates_at, self._gates = step, {}
+        known = self._gates.get(name)
+        if known is None:
+            known = self._gates[name] = bool(compute())
+        return known
+
     def _enabled(self, op: Operation) -> bool:
-        return op.applicable(self.caps, self.config) and (op.when is None or bool(op.when(self)))
+        if not self.applicable[op.name]:
+            return False
+        when = op.when
+        return when is None or self._gate(op.name, lambda: when(self))
 
     def teardown(self) -> None:
-        """End of an example: fold its steps into the run's fingerprint (same seed, same examples, same digest)."""
+        """End of an example: fold its steps into the run's fingerprint (same seed, same examples, same digest); in a
+        campaign, tell Hypothesis how far toward its targets the example got."""
         if self.stats.digest is not None:
             self.stats.digest.update(json.dumps(self.vector, sort_keys=True, default=repr).encode())
+        if self.binding.target and currently_in_test_context():
+            for label in self.targets:
+                target(float(self.example_structure.get(label, 0)), label=label)
+
+    # ------------------------------------------------------------ structural coverage (kvproof.conformance.structure)
+
+    @classmethod
+    def structure(cls, config: Any) -> Mapping[str, int]:
+        """The suite's structural dimensions on ``config``, each with the most its strategies can reach there (what
+        a ``ci`` run of the default configs must reach: ``tests/conformance/test_structure.py``). Default: none."""
+        return {}
+
+    def measure(self) -> Mapping[str, int]:
+        """Each state dimension's value now (called after every step: requests alive, pools full, ...)."""
+        return {}
+
+    def note(self, dimension: str, value: int = 1) -> None:
+        """An event dimension reached ``value`` (a batch's size, a misuse case staged): the run keeps the most."""
+        for record in (self.stats.structure, self.example_structure):
+            if value > record.get(dimension, -1):
+                record[dimension] = value
+
+    @check_after_each_step
+    def measured(self) -> None:
+        """After every step: the tensors the implementation returned are as it returned them
+        (:mod:`kvproof.conformance.custody`), and the state dimensions (:meth:`measure`)."""
+        problem = self.custody.returned_problem(f"a call of step {len(self.trace)} (the last: {self.last_op})")
+        if problem:
+            self.fail(problem)
+        for dimension, value in self.measure().items():
+            self.note(dimension, value)
 
     def supports(self, cap: Capability) -> bool:
         return cap in self.caps
+
+    def run_checks(self) -> None:
+        """Every per-step check the class declares (``check_after_each_step``), as Hypothesis runs them after a rule:
+        the drivers without Hypothesis' stateful runner (replay, breadth) call this."""
+        for name in type(self).checks:
+            getattr(self, name)()
 
     def _execute(self, op: Operation, function: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         """Run one rule: record it (kvproof.conformance.vector), count it, then its body."""
@@ -585,8 +705,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     def _misuse_cases_now(self) -> list[str]:
         """Cases whose operation the implementation supports and that the machine can stage now."""
         return [name for name, case in sorted(self.misuse_cases.items())
-                if self.operations[case.op].applicable(self.caps, self.config)
-                and (case.when is None or bool(case.when(self)))]
+                if self.applicable[case.op] and (case.when is None or bool(case.when(self)))]
 
     def misuse_allowed(self) -> bool:
         """A machine may ration misuse (e.g. every third step only) so it does not crowd out the lifecycle."""
@@ -595,7 +714,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     def misuse_enabled(self) -> bool:
         """The generic ``misuse`` rule's precondition."""
         return (bool(self.misuse_cases) and self.supports(Capability.REJECTS_MISUSE) and self.misuse_allowed()
-                and bool(self._misuse_cases_now()))
+                and self._gate("misuse", lambda: bool(self._misuse_cases_now())))
 
     @precondition(lambda self: self.misuse_enabled())
     @rule(data=st.data())
@@ -605,10 +724,16 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
         kwargs = begin_step(self, "misuse", {"data": data})
         self.stats.rules["misuse"] += 1
-        name = kwargs["data"].draw(st.sampled_from(self._misuse_cases_now()), label="case")
+        # every case the machine can stage now, those not yet staged in this example first; and since Hypothesis
+        # favours the first of a list, the first turns with the step
+        now = self._misuse_cases_now()
+        cases = [c for c in now if f"misuse {c}" not in self.example_structure] or now
+        turn = len(self.trace) % len(cases)
+        name = kwargs["data"].draw(st.sampled_from(cases[turn:] + cases[:turn]), label="case")
         case = self.misuse_cases[name]
         staged = case.function(self, kwargs["data"])
         self.stats.rules[f"misuse:{name}"] += 1
+        self.note(f"misuse {name}")
         self.call(case.op, f"{staged.args} [misuse: {case.case}]", staged.reference, staged.implementation,
                   expect_misuse=True)
 
@@ -710,11 +835,17 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
     def snapshot(self, target: Any = None) -> Any:
         """The implementation's ``snapshot()`` (or that of ``target``, another watched object), of the
-        declared type, or a verdict."""
+        declared type, or a verdict. The implementation's own is taken once between two of its calls: the harness
+        asks for it several times a step (the comparison, staging a misuse case, a hook), and nothing but a call
+        changes an implementation the harness drives from one thread."""
+        if target is None and self._snap is not None and self._snap[0] == self.impl_calls:
+            return self._snap[1]  # nothing but a query (reference.contract.QUERIES) was called since
         snap = self.observe("snapshot()", (self.impl if target is None else target).snapshot)
         want = self.snapshot_type
         if want is not None and not isinstance(snap, want):
             self.fail(f"snapshot() returned a {type(snap).__name__}, not a {want.__name__}")
+        if target is None:
+            self._snap = (self.impl_calls, snap)
         return snap
 
     def require_indices(self, op: str, value: Any, n: int) -> None:

@@ -35,6 +35,7 @@ from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite
 from kvproof.conformance.errors import ImplSpecError, RunInterrupted, UsageError
 from kvproof.conformance.generation import forced_seed
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
+from kvproof.conformance.lockstep import RunProgress
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, Layer, info, parse_components
@@ -199,7 +200,7 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
                 op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
-                progress: Callable[[int, bool], None] | None = None, isolation: str = "process",
+                progress: Callable[[RunProgress], None] | None = None, isolation: str = "process",
                 memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> Outcome:
     """Run one planned test (not its skip: the caller decides) and classify the result.
 
@@ -262,8 +263,8 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
             events.test_started(test)
             events.progressed(outcomes, state("running", test.test_id, i))
 
-            def progress(examples: int, shrinking: bool, test: PlannedTest = test) -> None:
-                events.example(test, examples, shrinking)
+            def progress(done: RunProgress, test: PlannedTest = test) -> None:
+                events.example(test, done.examples, done.shrinking)
 
             try:
                 outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout,

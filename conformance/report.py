@@ -179,7 +179,9 @@ def _result(o: Outcome) -> dict[str, Any]:
                     "calls": r.calls, "fingerprint": r.fingerprint, "capabilities": sorted(r.capabilities),
                     "outcomes": r.outcomes, "not_applicable": list(r.not_applicable),
                     "never_run": list(r.never_run), "failure": r.failure, "diagnosis": diagnosis(r.failure) or None,
-                    "failure_file": r.failure_file, "vector": r.vector})
+                    "failure_file": r.failure_file, "vector": r.vector, "structure": r.structure,
+                    "structure_targets": r.structure_targets,
+                    "structure_missed": {k: list(v) for k, v in r.structure_missed().items()}})
     return out
 
 

@@ -24,14 +24,14 @@ import datetime as _dt
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kvproof.conformance.errors import VectorError
 from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult
 
-__all__ = ["FIRST_SEEN", "FailureFile", "first_failing", "write_atomic"]
+__all__ = ["FIRST_SEEN", "FailureFile", "first_failing", "saved_vectors", "write_atomic"]
 
 FIRST_SEEN = ("first seen; Hypothesis is shrinking it (this file is replaced by the shrunk failure when the run "
               "ends; if the run was stopped, this is the unshrunk failure, and its vector replays)\n\n")
@@ -74,30 +74,49 @@ class FailureFile:
         return str(self.path)
 
 
-def first_failing(directory: Path, component: str, impl_name: str, config: Any, options: Mapping[str, Any],
-                  replay: Callable[[dict[str, Any]], ReplayResult]) -> tuple[str, dict[str, Any], ReplayResult] | None:
-    """The first saved vector of this test that still fails under ``replay``: (its text file, vector, result).
+def saved_vectors(directory: Path | None, component: str, impl_name: str, config: Any, options: Mapping[str, Any],
+                  shared: Iterable[dict[str, Any]] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """Every kept vector of this test, as ``(where it is kept, vector)``: the files under ``directory`` (shrunk ones
+    first, newest first), then ``shared`` ones not among them (a campaign's example database:
+    :mod:`kvproof.conformance.database`, found on any machine of a fleet). The same test is the same component,
+    config (its value, not only its label), implementation and machine options."""
+    def same_test(vector: Any) -> bool:
+        return (isinstance(vector, dict) and vector.get("format") == VECTOR_FORMAT
+                and vector.get("component") == component and vector.get("impl") == impl_name
+                and vector.get("config", {}).get("value") == config.model_dump(mode="json")
+                and vector.get("machine_options", {}) == dict(options))
 
-    Saved vectors of the same component, config (its value, not only its label), implementation
-    and machine options are tried, shrunk ones first, newest first; one that no longer applies
-    (the suite changed) is passed over.
-    """
     candidates = []
-    for path in Path(directory).glob(f"{_prefix(component, impl_name, config.label())}*.json"):
+    for path in Path(directory).glob(f"{_prefix(component, impl_name, config.label())}*.json") if directory else ():
         try:
             vector = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if (isinstance(vector, dict) and vector.get("format") == VECTOR_FORMAT
-                and vector.get("component") == component and vector.get("impl") == impl_name
-                and vector.get("config", {}).get("value") == config.model_dump(mode="json")
-                and vector.get("machine_options", {}) == dict(options)):
-            candidates.append((bool(vector.get("first_seen")), -path.stat().st_mtime, path, vector))
-    for _, _, path, vector in sorted(candidates, key=lambda c: c[:2])[:MAX_REPLAYED]:
+        if same_test(vector):
+            candidates.append((bool(vector.get("first_seen")), -path.stat().st_mtime, str(path.with_suffix(".txt")),
+                               vector))
+    candidates.sort(key=lambda c: c[:2])
+    known = {json.dumps(c[3], sort_keys=True) for c in candidates}
+    out = [(where, vector) for _, _, where, vector in candidates]
+    for vector in shared:
+        text = json.dumps(vector, sort_keys=True)
+        if same_test(vector) and text not in known:
+            known.add(text)
+            out.append(("the example database", vector))
+    return out
+
+
+def first_failing(directory: Path | None, component: str, impl_name: str, config: Any, options: Mapping[str, Any],
+                  replay: Callable[[dict[str, Any]], ReplayResult], shared: Iterable[dict[str, Any]] = (),
+                  ) -> tuple[str, dict[str, Any], ReplayResult] | None:
+    """The first kept vector of this test (:func:`saved_vectors`, at most :data:`MAX_REPLAYED`) that still fails under
+    ``replay``: ``(where it is kept, vector, result)``; one that no longer applies (the suite changed) is passed
+    over."""
+    for where, vector in saved_vectors(directory, component, impl_name, config, options, shared)[:MAX_REPLAYED]:
         try:
             result = replay(vector)
         except VectorError:
             continue
         if not result.passed:
-            return str(path.with_suffix(".txt")), vector, result
+            return where, vector, result
     return None

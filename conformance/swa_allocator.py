@@ -20,6 +20,8 @@ only for implementations declaring ``Capability.REJECTS_MISUSE``.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +72,10 @@ class Pending:
     reqs: dict[int, list[int]]
 
 
+@functools.lru_cache(maxsize=256)
 def _sizes(p: int, w: int, top: int) -> st.SearchStrategy[int]:
-    """Token counts biased to page and window boundaries, within ``1..top``."""
+    """Token counts biased to page and window boundaries, within ``1..top`` (one strategy object per shape: building
+    and validating it on every draw cost more than the draw)."""
     near = {k * p + d for k in range(1, 6) for d in (-1, 0, 1)} | {w - 1, w, w + 1, w + p - 1, w + p, w + p + 1, 1, 2}
     edges = sorted(x for x in near if 1 <= x <= top)
     return st.one_of(st.sampled_from(edges), st.integers(1, top))
@@ -97,6 +101,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         self.retracted: list[Retracted] = []
         self.pending: Pending | None = None
         self.next_rid, self.tag = 1, 0
+        self.cycles: Counter[str] = Counter()  # restores and remaps in this example (structural coverage)
+        self.layers: dict[str, set[int]] = {"full": set(), "swa": set()}  # layer ids written per pool
 
     # ------------------------------------------------------------ plumbing
 
@@ -133,12 +139,17 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
 
     def _draw_batch(self, data: Any, ok: Callable[[Req], bool], *, grow: bool
                     ) -> list[tuple[int, int, int]]:
-        """1-3 distinct requests (new ones only when ``grow``) as ``(rid, prefix_len, seq_len)``."""
+        """1-3 distinct requests (new ones only when ``grow``) as ``(rid, prefix_len, seq_len)``. Without ``grow`` the
+        size is at most the number of requests ``ok`` accepts; the new requests of a batch of k share the pool (each
+        at most 1/k of the longest)."""
         batch: list[tuple[int, int, int]] = []
-        for _ in range(data.draw(st.integers(1, 3), label="batch_size")):
+        most = 3 if grow else min(3, sum(1 for r in self.reqs.values() if ok(r)))
+        size = data.draw(st.integers(1, most), label="batch_size") if most else 0
+        for _ in range(size):
             candidates = [r for r in self.reqs.values() if ok(r) and r.rid not in {b[0] for b in batch}]
             if grow and (not candidates or data.draw(st.booleans(), label="new_request")):
-                seq_len = data.draw(_sizes(self.p, self.w, self._max_tokens()), label="seq_len")
+                top = max(self.p, self._max_tokens() // size)
+                seq_len = data.draw(_sizes(self.p, self.w, top), label="seq_len")
                 batch.append((self._new_rid(), 0, seq_len))
             elif candidates:
                 req = data.choose(candidates, "request")
@@ -149,6 +160,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     def _extend(self, op: str, batch: list[tuple[int, int, int]]) -> None:
         if not batch:
             return
+        self.note(f"{op} batch size", len(batch))
         rids = [b[0] for b in batch]
         pre, seq = [b[1] for b in batch], [b[2] for b in batch]
         last = [self.reqs[r].slots[-1] if p else -1 for r, p, _ in batch]
@@ -233,6 +245,19 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     def _misuse(self, op: str, args: str, ref_call: Callable[[], Any], impl_call: Callable[[], Any]) -> None:
         self.call(op, args, ref_call, impl_call, expect_misuse=True)
 
+    # ------------------------------------------------------------ structural coverage
+
+    def measure(self) -> dict[str, int]:
+        p = self.p
+        return {"requests alive at once": len(self.reqs),
+                "full pages of one request": max((-(-len(r.slots) // p) for r in self.reqs.values()), default=0),
+                "full pool exhausted": int(not self.ref.full.free_pages),
+                "swa pool exhausted": int(not self.ref.swa.free_pages)}
+
+    def _cycle(self, what: str) -> None:
+        self.cycles[what] += 1
+        self.note(f"{what} per example", self.cycles[what])
+
     # ------------------------------------------------------------ the invariant
 
     @check_after_each_step
@@ -255,7 +280,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                 if int(theirs) != mine:
                     self.fail(f"{what}() = {theirs}, reference {mine}")
             if self.supports(C.KV_BUFFER):
-                self.observe("get_kvcache().get_kv_buffer()", self._compare_kv)
+                self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap))
         except Divergence as err:
             self.fail(str(err))
         self.trace.next_step()
@@ -263,41 +288,57 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     def _after_step(self) -> None:
         """Hook run after every step, before the comparison (a subclass may probe)."""
 
-    def _compare_kv(self) -> None:
+    def _compare_kv(self, snap: AllocatorSnapshot) -> None:
+        """Every defined KV row of every live token, per layer, equals the implementation's row at its slot.
+
+        The (reference slot, implementation slot) pairs are the same for every layer of a pool: they are built once
+        per pool, each layer's defined rows are gathered in one indexing and compared as one tensor; the rows are
+        looked at one by one only to name the first that differs."""
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
         kvpool = self.impl.get_kvcache()
-        snap_m = self.snapshot().full_to_swa_index_mapping
+        snap_m, impl_slot = snap.full_to_swa_index_mapping, self.names.impl_slot
+        full = [(r, impl_slot(r), rid) for rid, req in sorted(self.reqs.items()) for r in req.slots]
+        swa = [(m[r], snap_m[i], rid) for r, i, rid in full if m[r] > 0]
         for layer in range(geo.num_layers):
-            is_swa = geo.is_swa_layer(layer)
-            pairs: list[tuple[int, int, int]] = []  # (ref slot, impl slot, rid)
-            for rid, req in sorted(self.reqs.items()):
-                for r in req.slots:
-                    if is_swa:
-                        if m[r] > 0:
-                            pairs.append((m[r], snap_m[self.names.impl_slot(r)], rid))
-                    else:
-                        pairs.append((r, self.names.impl_slot(r), rid))
+            pairs = swa if geo.is_swa_layer(layer) else full
             want = ref.kv_rows(self.ref, layer, [a for a, _, _ in pairs])
             defined = [(pair, row) for pair, row in zip(pairs, want, strict=True) if row is not None]
             if not defined:
                 continue
             k, v = kvpool.get_kv_buffer(layer)
             idx = torch.tensor([b for (_, b, _), _ in defined], dtype=torch.int64, device=k.device)
-            got = torch.cat([k[idx].reshape(len(defined), -1), v[idx].reshape(len(defined), -1)], dim=1)
-            got_rows = got.float().cpu().tolist()
-            for ((a, b, rid), row), have in zip(defined, got_rows, strict=True):
+            got = torch.cat([k[idx].reshape(len(defined), -1), v[idx].reshape(len(defined), -1)], dim=1).float()
+            expected = torch.tensor([row for _, row in defined], dtype=torch.float32, device=got.device)
+            if torch.equal(got, expected):
+                continue
+            for ((a, b, rid), row), have in zip(defined, got.cpu().tolist(), strict=True):
                 if tuple(have) != row:
-                    kind = "SWA" if is_swa else "full"
+                    kind = "SWA" if geo.is_swa_layer(layer) else "full"
                     self.fail(f"KV of layer {layer} ({kind}) for request {rid}: reference slot {a} holds {list(row)}, "
-                               f"implementation slot {b} holds {have}")
+                              f"implementation slot {b} holds {have}")
 
 
 class SWAAllocatorMachine(SWALockstep):
     """The ``swa_allocator`` rules: every composite operation, drafts, retraction/resumption, misuse."""
 
     component = Component.SWA_ALLOCATOR
+    targets = ("full pool exhausted", "swa pool exhausted", "requests alive at once")
 
-    @operation(needs={C.ALLOC}, pages=st.integers(0, 4))
+    @classmethod
+    def structure(cls, config: PoolConfig) -> dict[str, int]:
+        """Batches of 1-3 requests; several requests alive, one as long as the SWA pool; both pools exhausted;
+        two restores and two remaps in one example; every layer of each pool written."""
+        geo, aligned = config.kv, config.page_size == 1  # at P == 1 every length is page aligned
+        return {"misuse alloc_extend_swa_tail:unaligned_tail": 0 if aligned else 1,  # U1 needs a page of P > 1
+                "misuse alloc_decode:swa_released": 0 if aligned else 1,  # M5: an aligned request always extends
+                "alloc_extend batch size": 3, "alloc_decode batch size": 3,
+                "requests alive at once": min(4, config.num_pages_swa),
+                "full pages of one request": config.num_pages_swa, "full pool exhausted": 1, "swa pool exhausted": 1,
+                "restore_state per example": 2, "set_full_to_swa_mapping per example": 2,
+                "full layers written": len(geo.full_attention_layer_ids),
+                "swa layers written": len(geo.swa_attention_layer_ids)}
+
+    @operation(needs={C.ALLOC}, pages=st.sampled_from([1, 2, 3, 4, 0]))  # Hypothesis favours the first: not 0
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
         self._about_to_change([g * self.p for g in self.snapshot().full.free_pages[:pages]])
@@ -350,9 +391,12 @@ class SWAAllocatorMachine(SWALockstep):
     def _free_request(self, req: Req) -> bool:
         """Release all of ``req``: ``free``, or, when the implementation does not declare
         ``FREE_RELEASED_SWA`` and some position's SWA side is gone, ``free_swa`` of the still-mapped
-        positions then ``free_full`` (``False``: neither is possible, the request stays)."""
+        positions then ``free_full`` (``False``: neither is possible, the request stays). Requests with an odd id
+        take that second path whenever ``FREE_FULL`` is declared, as SGLang 0.5.23's callers release a request at
+        P == 1, so ``free_full`` runs in every run that frees (no draw decides it: the examples stay as they were)."""
         m = self.ref.full_to_swa_index_mapping
-        if self.supports(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots):
+        split = self.supports(C.FREE_FULL) and req.rid % 2 == 1
+        if not split and (self.supports(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots)):
             self._release("free", req, req.slots)
             return True
         if not self.supports(C.FREE_FULL):
@@ -415,6 +459,7 @@ class SWAAllocatorMachine(SWALockstep):
                         lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
         if out:
             self.ref = out[0][0]
+            self._cycle("set_full_to_swa_mapping")
 
     @operation(needs={C.BACKUP_RESTORE}, when=lambda self: self.pending is None and self.reqs)
     def backup_state(self) -> None:
@@ -434,6 +479,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.ref = out[0][0]
             self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
             self.pending = None
+            self._cycle("restore_state")
 
     @operation(needs={C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
     def set_kv_buffer(self, data: Any) -> None:
@@ -454,6 +500,9 @@ class SWAAllocatorMachine(SWALockstep):
                 torch.tensor(v, dtype=dtype, device=self.impl.device).reshape(shape)))
         if out:
             self.ref = out[0][0]
+            pool = "swa" if self.config.kv.is_swa_layer(layer) else "full"
+            self.layers[pool].add(layer)
+            self.note(f"{pool} layers written", len(self.layers[pool]))
 
     @operation(needs={C.CPU_COPY}, when=lambda self: self.reqs and self.pending is None, data=st.data())
     def get_cpu_copy(self, data: Any) -> None:
@@ -505,7 +554,7 @@ class SWAAllocatorMachine(SWALockstep):
         return sorted(self.reqs.values(), key=lambda r: r.rid)
 
     def _has_free_page(self) -> bool:
-        return len(self.snapshot().full.free_pages) > 0
+        return len(self.ref.full.free_pages) > 0  # both sides agree on the count after every step
 
     def _double_free(self, op: str) -> MisuseCall:
         p = self.p
@@ -581,12 +630,18 @@ class SWAAllocatorMachine(SWALockstep):
                           lambda: self.impl.alloc_extend_swa_tail(self._t([0]), self._cpu([0]), self._t([seq]),
                                                                   self._cpu([seq]), self._t([-1]), seq, tail))
 
-    def _not_extendable(self) -> list[Req]:
-        return [r for _, r in sorted(self.reqs.items()) if not self._extendable(r)]
+    def _unaligned(self) -> list[Req]:
+        return [r for _, r in sorted(self.reqs.items()) if len(r.slots) % self.p]
 
-    @misuse("alloc_decode", "swa_released", when=lambda self: bool(self._not_extendable()))
+    @misuse("alloc_decode", "swa_released", when=lambda self: self.pending is None and bool(self._unaligned()))
     def _decode_swa_released(self, data: Any) -> MisuseCall:
-        req = data.choose(self._not_extendable(), "request")
+        """A request mid-page whose last page's SWA side is released (staged here, with a legal ``free_swa`` of its
+        still-mapped positions, when it is not so already: the state is otherwise rare)."""
+        req = data.choose(self._unaligned(), "request")
+        m = self.ref.full_to_swa_index_mapping
+        mapped = [s for s in req.slots if m[s] > 0]
+        if m[req.slots[-1]] > 0:
+            self._release("free_swa", req, mapped, "its still-mapped positions")
         n, last = len(req.slots), req.slots[-1]
         return MisuseCall(f"request {req.rid} at {n + 1} (its last page's SWA side is released: M5)",
                           lambda: ref.alloc_decode(self.ref, [n + 1], [last]),

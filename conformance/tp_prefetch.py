@@ -125,12 +125,26 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         self.path: tuple[HostNode, ...] = self.config.existing
         self.state: tp.PrefetchState | None = None  # the check in progress (or the one that ended waiting)
         self.pending: tuple[int, tuple[tp.RankProgress, ...]] | None = None  # a waiting request: R and its shape
+        self.commits = 0  # checks committed in this example
 
     def teardown(self) -> None:
         super().teardown()
         impl = getattr(self, "impl", None)
         if impl is not None:
             impl.close()
+
+    # ------------------------------------------------------------ structural coverage
+
+    @classmethod
+    def structure(cls, config: TPPrefetchGroup) -> dict[str, int]:
+        """Every termination policy; checks that commit, wait (and are continued) and, under 0.5.23's protocol, are
+        revoked or discarded; an SWA window attached; an insert that splits a host node; four commits in one
+        example (the host path grows under a later check)."""
+        protocol_0523 = config.variant.protocol_0523
+        return {"policy wait_complete": 1, "policy timeout": 1, "policy best_effort": 1,
+                "check committed": 1, "check waiting": 1, "check revoked": int(protocol_0523),
+                "sync_prefetch_hit_query continued": 1, "swa window attached": 1,
+                "prefetch discarded": int(protocol_0523), "insert split": 1, "commits per example": 4}
 
     # ------------------------------------------------------------ drawing a check
 
@@ -211,6 +225,8 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             transfers, registered = [one] * self.n, [True] * self.n
             policy = [TerminationPolicy(data.draw(st.sampled_from(policies), label="policy"))] * self.n
         ranks = tuple(self._progress(data, i, r, policy[i], transfers[i], registered[i]) for i in range(self.n))
+        for p in set(policy):
+            self.note(f"policy {p.value}")
         return r, ranks
 
     # ------------------------------------------------------------ one operation on both sides
@@ -236,7 +252,15 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             self.fail(f"{op}: {_report_difference(got, want)}")
         if after.phase is Phase.MISMATCHED:
             self._judge(after, f"; {self.impl_name} saw it too ({got.detail or f'after {got.seconds:.1f} s'})")
+        if after.phase in (Phase.COMMITTED, Phase.WAITING, Phase.REVOKED):
+            self.note(f"check {after.phase.value}")
         if after.phase is Phase.COMMITTED:
+            self.commits += 1
+            self.note("commits per example", self.commits)
+            for commit in (r.commit for r in after.ranks if r.commit is not None):
+                self.note("swa window attached", int(commit.attached))
+                self.note("prefetch discarded", int(commit.discarded))
+                self.note("insert split", int(commit.insert_split is not None))
             self._judge(after, "")
             commit = next(r.commit for r in after.ranks if r.proceeds)
             if commit is not None:
@@ -262,6 +286,7 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
     def sync_prefetch_hit_query(self, data: Any) -> None:
         """Start a check (the request, every rank's progress) and sync the storage hits."""
         waiting = self.state if self.pending is not None else None
+        self.note("sync_prefetch_hit_query continued", int(waiting is not None))
         r, ranks = self._draw_check(data)
         config = self.config.check_config(r, self.path)
         described = ("continued, " if waiting else "") + f"R={r}: " + "; ".join(

@@ -16,6 +16,7 @@ replays on a machine without Hypothesis' database.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 from hypothesis import strategies as st
 
 from kvproof.conformance.errors import HarnessBug, VectorError
+from kvproof.conformance.generation import draw
 
 __all__ = ["VECTOR_FORMAT", "RecordingData", "ReplayData", "ReplayResult", "VectorError", "begin_step", "load_vector",
            "replay"]
@@ -54,22 +56,27 @@ class RecordingData:
         self._data, self._log = data, log
 
     def draw(self, strategy: st.SearchStrategy[T], label: str | None = None) -> T:
-        value = self._data.draw(strategy, label=label)
+        value = draw(self._data, strategy)
         self._log.append(_jsonable(value))
         return value
 
     def choose(self, options: Sequence[T], label: str | None = None) -> T:
         """One of ``options`` (Hypothesis' ``sampled_from``), recorded as its index."""
-        index = self._data.draw(st.sampled_from(range(len(options))), label=label)
+        index = draw(self._data, _indices(len(options)))
         self._log.append({"pick": index})
         return options[index]
 
     def choose_many(self, options: Sequence[T], label: str | None = None, *, min_size: int = 0) -> list[T]:
         """Distinct elements of ``options`` in drawn order, recorded as indices."""
-        picks = self._data.draw(st.lists(st.sampled_from(range(len(options))), min_size=min_size, unique=True),
-                                label=label)
+        picks = draw(self._data, st.lists(_indices(len(options)), min_size=min_size, unique=True))
         self._log.append({"picks": picks})
         return [options[i] for i in picks]
+
+
+@functools.lru_cache(maxsize=128)
+def _indices(n: int) -> st.SearchStrategy[int]:
+    """``sampled_from(range(n))``, built once per ``n``."""
+    return st.sampled_from(range(n))
 
 
 class ReplayData:
@@ -168,7 +175,7 @@ def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
     label, component = str(vector["config"].get("label", "?")), str(vector["component"])
     done = 0
     try:
-        _check(machine)
+        machine.run_checks()
         for i, step in enumerate(vector["steps"], 1):
             name = str(step.get("rule"))
             where = f"step {i} ({name})"
@@ -189,7 +196,7 @@ def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
                 kwargs["data"] = ReplayData(step.get("draws", []), where)
             method(**kwargs)
             done = i
-            _check(machine)
+            machine.run_checks()
         machine.teardown()
     except VectorError:
         raise
@@ -203,7 +210,3 @@ def _parameters(method: Any) -> tuple[str, ...]:
 
     return tuple(inspect.signature(method).parameters)
 
-
-def _check(machine: Any) -> None:
-    for name in type(machine).checks:
-        getattr(machine, name)()

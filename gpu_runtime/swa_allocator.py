@@ -161,15 +161,17 @@ class SWATokenToKVPoolAllocator:
         return self._kvcache.translate_loc_from_full_to_swa(idx)
 
     def snapshot(self) -> AllocatorSnapshot:
-        """Free lists in hand-out order and the whole mapping, in the shape every implementation reports."""
-        return AllocatorSnapshot(full=self._pool_snapshot(self.full_attn_allocator),
-                                 swa=self._pool_snapshot(self.swa_attn_allocator),
-                                 full_to_swa_index_mapping=tuple(self.full_to_swa_index_mapping.tolist()))
+        """Free lists in hand-out order and the whole mapping, in the shape every implementation reports (built
+        without validation: every field is a Python int or a tuple of them by construction, and the harness takes
+        one after every step)."""
+        return AllocatorSnapshot.model_construct(
+            full=self._pool_snapshot(self.full_attn_allocator), swa=self._pool_snapshot(self.swa_attn_allocator),
+            full_to_swa_index_mapping=tuple(self.full_to_swa_index_mapping.tolist()))
 
     @staticmethod
     def _pool_snapshot(pool: PagedTokenToKVPoolAllocator) -> PoolSnapshot:
-        return PoolSnapshot(page_size=pool.page_size, num_pages=pool.num_pages,
-                            free_pages=tuple(pool.free_pages.tolist()))
+        return PoolSnapshot.model_construct(page_size=pool.page_size, num_pages=pool.num_pages,
+                                            free_pages=tuple(pool.free_pages.tolist()))
 
     # ------------------------------------------------------------ allocation
 

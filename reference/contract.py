@@ -300,6 +300,13 @@ PROTOCOLS: dict[Component, tuple[type, ...]] = {
     Component.TP_PREFETCH: (TPPrefetchUnderTest,),
 }
 
+#: Methods that only report: they do not change what ``snapshot()`` reports (the lockstep harness takes one snapshot
+#: between two calls that may change it). ``translate_loc_from_full_to_swa`` may fill the loc cache: a memo, not state.
+QUERIES: frozenset[str] = frozenset({
+    "snapshot", "available_size", "full_available_size", "swa_available_size", "get_kvcache", "get_kv_buffer",
+    "translate_loc_from_full_to_swa", "allocated_host_indices", "get_host_data",
+})
+
 #: Methods that hand the caller index tensors it owns from then on: no later call may write into what they
 #: returned (the harness keeps a copy and compares, kvproof.conformance.custody). Live views of the
 #: implementation's state are not among them: ``get_kv_buffer``, ``allocated_host_indices``, and

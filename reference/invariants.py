@@ -24,19 +24,20 @@ __all__ = ["check_invariants", "check_pool"]
 
 def check_pool(pool: PagedPool, name: str) -> None:
     """G1-G3 for one pool: free pages are real, unique pages; free iff unowned."""
-    free = pool.free_pages
+    free, n = pool.free_pages, pool.num_pages  # messages are built only for a broken rule: this runs every step
+    free_set = set(free)
     # G1: free pages are 1..num_pages, page 0 never, no duplicates
-    ensure(all(1 <= g <= pool.num_pages for g in free), "G1",
-           f"{name} free list has pages outside 1..{pool.num_pages}: {free}")
-    ensure(len(set(free)) == len(free), "G1", f"{name} free list has a duplicate page: {free}")
+    ensure(all(1 <= g <= n for g in free), "G1", lambda: f"{name} free list has pages outside 1..{n}: {free}")
+    ensure(len(free_set) == len(free), "G1", lambda: f"{name} free list has a duplicate page: {free}")
     # G2: available never exceeds the pool (the only runtime over-free check upstream)
-    ensure(pool.available_size <= pool.size, "G2", f"{name} available {pool.available_size} > size {pool.size}")
+    ensure(pool.available_size <= pool.size, "G2",
+           lambda: f"{name} available {pool.available_size} > size {pool.size}")
     # G3: owners and free pages partition 1..num_pages
-    owned = {g for g in range(1, pool.num_pages + 1) if pool.owner[g] is not None}
-    ensure(owned.isdisjoint(free), "G3", f"{name} pages both free and owned: {sorted(owned & set(free))}")
-    ensure(len(owned) + len(free) == pool.num_pages, "G3",
-           f"{name} leaks pages: {sorted(set(range(1, pool.num_pages + 1)) - owned - set(free))}")
-    ensure(pool.owner[0] is None, "G1", f"{name} reserved page 0 has an owner")
+    owned = {g for g, who in enumerate(pool.owner) if who is not None and g}
+    ensure(owned.isdisjoint(free_set), "G3", lambda: f"{name} pages both free and owned: {sorted(owned & free_set)}")
+    ensure(len(owned) + len(free) == n, "G3",
+           lambda: f"{name} leaks pages: {sorted(set(range(1, n + 1)) - owned - free_set)}")
+    ensure(pool.owner[0] is None, "G1", lambda: f"{name} reserved page 0 has an owner")
 
 
 def check_invariants(state: SWAAllocatorState) -> None:
@@ -44,15 +45,15 @@ def check_invariants(state: SWAAllocatorState) -> None:
     cfg, p, mapping = state.config, state.config.page_size, state.full_to_swa_index_mapping
     check_pool(state.full, "full")
     check_pool(state.swa, "swa")
-    for g in range(1, cfg.num_pages_full + 1):
-        allocated = state.full.is_allocated(g)
-        # ghost fill: a free page has no live slot, an allocated one 1..P
-        ensure((1 <= state.fill[g] <= p) if allocated else state.fill[g] == 0, "G3",
-               f"page {g} has fill {state.fill[g]}")
+    owner, fill = state.full.owner, state.fill
+    # ghost fill: a free page has no live slot, an allocated one 1..P
+    bad_fill = [g for g in range(1, cfg.num_pages_full + 1)
+                if not ((1 <= fill[g] <= p) if owner[g] is not None else fill[g] == 0)]
+    ensure(not bad_fill, "G3", lambda: ", ".join(f"page {g} has fill {fill[g]}" for g in bad_fill))
     # M1: sentinel, reserved page unmapped, values are 0 or real SWA slots
     ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")
-    ensure(all(m == 0 for m in mapping[:p]), "M1", f"reserved page 0 is mapped: {mapping[:p]}")
+    ensure(not any(mapping[:p]), "M1", lambda: f"reserved page 0 is mapped: {mapping[:p]}")
     top = (cfg.num_pages_swa + 1) * p
-    bad = [(f, m) for f, m in enumerate(mapping[:-1]) if m != 0 and not p <= m < top]
-    ensure(not bad, "M1", f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
+    bad = [(f, m) for f, m in enumerate(mapping[:-1]) if m and not p <= m < top]
+    ensure(not bad, "M1", lambda: f"mapping entries outside {{0}} or [{p}, {top}): {bad[:4]}")
     check_live_mapping(state)

@@ -670,16 +670,19 @@ def check_live_pairs(page_size: int, live: Iterable[tuple[int, int]], full_owner
     page_of_swa_page: dict[int, int] = {}
     for f, s in live:
         g, h = f // p, s // p
-        # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one
+        # M2: a live slot maps to an SWA slot held by the same owner, and no two live slots share one;
+        # M5: same offset in page, and one SWA page pairs with one full page
+        if (h in swa_owner and swa_owner[h] == full_owner[g] and s not in seen and s % p == f % p
+                and page_of_swa_page.setdefault(h, g) == g):
+            seen[s] = f
+            continue
+        # a rule is broken (the messages are built only here: this loop runs after every lockstep step)
         ensure(h in swa_owner, "M2", f"live full slot {f} maps to SWA slot {s} in free page {h}")
         ensure(swa_owner[h] == full_owner[g], "M2",
                f"full slot {f} (page {g}) maps to SWA slot {s} in page {h} of another owner")
         ensure(s not in seen, "M2", f"full slots {seen.get(s)} and {f} both map to SWA slot {s}")
-        seen[s] = f
-        # M5: same offset in page, and one SWA page pairs with one full page
         ensure(s % p == f % p, "M5", f"full slot {f} (offset {f % p}) maps to SWA slot {s} (offset {s % p})")
-        ensure(page_of_swa_page.setdefault(h, g) == g, "M5",
-               f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
+        ensure(False, "M5", f"SWA page {h} is shared by full pages {page_of_swa_page[h]} and {g}")
     orphans = [h for h in swa_owner if h not in page_of_swa_page]
     # G3 (SWA side): an owned SWA page is reachable from a live full slot, else it leaked
     ensure(not orphans, "G3", lambda: f"SWA pages owned but mapped from no live full slot: {sorted(orphans)}")

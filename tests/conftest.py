@@ -37,7 +37,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -128,6 +128,26 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                                     red=True)
     else:
         terminalreporter.write_line("rank processes left behind: 0")
+
+
+def processes_marked(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker`` (zombies have none): a test's children and theirs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def marked() -> Callable[[str], list[int]]:
+    """:func:`processes_marked`: the live processes that carry a marker the test put in their environment."""
+    return processes_marked
 
 
 @pytest.fixture

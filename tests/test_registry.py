@@ -142,7 +142,7 @@ def test_every_verb_covers_every_component() -> None:
     """Each verb but ``replay`` (whose vector names its component) takes --component with the registry's choices."""
     assert isinstance(main, click.Group)
     verbs = {name: command for name, command in main.commands.items() if name != "replay"}
-    assert set(verbs) == {"prove", "conform", "check", "mutants", "bench"}
+    assert set(verbs) == {"prove", "conform", "fuzz", "check", "mutants", "bench"}
     for name, command in verbs.items():
         assert _component_choices(command) == [c.value for c in Component], name
 

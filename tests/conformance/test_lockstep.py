@@ -136,7 +136,7 @@ def test_declarations_are_collected_once_per_class() -> None:
     assert set(Toy.operations) == {"take", "give", "checkpoint"}
     assert Toy.operations["checkpoint"].is_operation is False
     assert set(Toy.misuse_cases) == {"give:never_taken"}
-    assert Toy.checks == ("same_free_pages",)
+    assert Toy.checks == ("measured", "same_free_pages")  # the base class's (custody, structure), then its own
     assert Toy.needs(Config(4)) == {"checkpoint": {C.BACKUP_RESTORE}, "give": frozenset(), "take": {C.ALLOC},
                                     "misuse": {C.REJECTS_MISUSE}}
 

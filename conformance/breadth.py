@@ -1,0 +1,104 @@
+"""The breadth driver: a suite's rules and checks without Hypothesis' per-step engine, for campaigns.
+
+Hypothesis spends most of a lockstep step in its own engine (choosing a rule, drawing through its choice
+sequence, keeping what it needs to shrink); a campaign that wants breadth (many sequences, many machines) pays it
+on every step (upstream_0523_vllm_fuzz.md §4.4). This driver runs the same rule alphabet and the same per-step
+checks, drawing each rule's arguments from its declared strategies with a seeded ``random.Random``
+(:func:`kvproof.conformance.generation.sample`), and leaves shrinking to the failure's vector
+(:mod:`kvproof.conformance.shrink`).
+
+**Swarm testing** (Groce et al., ISSTA 2012): each example draws its own configuration first, a random subset of
+the rules (each kept with probability 3/4, at least one) with random weights, and a probability of drawing extreme
+arguments (an integer's bounds, a list's shortest or longest, the first branch of a ``one_of``: the suites put
+their page, window and pool edges there). Sequences that never free, or that only free, or that sit at the pool's
+edge reach states a uniform mix rarely does. Which rules ran and what they drew is recorded exactly as under
+Hypothesis (:mod:`kvproof.conformance.vector`), so a failure replays and shrinks the same way; the same seed gives
+the same examples.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvproof.conformance.generation import sample
+from kvproof.conformance.lockstep import Lockstep
+
+__all__ = ["BreadthData", "Swarm", "drive", "swarm"]
+
+#: Probabilities of an extreme argument an example may get (0: uniform draws only).
+EDGES = (0.0, 0.1, 0.3, 0.6)
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """One example's configuration: the rules it may run (``misuse`` among them) with their weights, and how often
+    an argument is drawn at an extreme."""
+
+    weights: dict[str, float]
+    edge: float
+
+
+def swarm(rng: random.Random, rules: Sequence[str]) -> Swarm:
+    """A random swarm configuration over ``rules``."""
+    kept = [r for r in rules if rng.random() < 0.75] or [rng.choice(list(rules))]
+    return Swarm({r: rng.uniform(0.1, 1.0) for r in kept}, rng.choice(EDGES))
+
+
+class BreadthData:
+    """A rule's ``data`` object under the breadth driver: each draw sampled from its strategy with the example's
+    generator (the lockstep framework records the values, as it does Hypothesis')."""
+
+    def __init__(self, rng: random.Random, edge: float) -> None:
+        self.rng, self.edge = rng, edge
+
+    def draw(self, strategy: Any, label: str | None = None) -> Any:
+        return sample(strategy, self.rng, self.edge)
+
+
+def _rules(machine: Lockstep[Any, Any]) -> list[str]:
+    names = sorted(type(machine).operations)
+    return names + (["misuse"] if type(machine).misuse_cases else [])
+
+
+def _enabled(machine: Lockstep[Any, Any], rule: str) -> bool:
+    if rule == "misuse":
+        return machine.misuse_enabled()
+    return machine._enabled(type(machine).operations[rule])
+
+
+def _step(machine: Lockstep[Any, Any], rule: str, rng: random.Random, edge: float) -> None:
+    """Run ``rule`` with arguments sampled from its declared strategies."""
+    if rule == "misuse":
+        machine.misuse(data=BreadthData(rng, edge))
+        return
+    op = type(machine).operations[rule]
+    kwargs = {name: BreadthData(rng, edge) if name == "data" else sample(strategy, rng, edge)
+              for name, strategy in op.strategies}
+    getattr(machine, type(machine).rule_methods[rule])(**kwargs)
+
+
+def drive(machine: Callable[[], Lockstep[Any, Any]], *, seed: int, examples: int, steps: int,
+          stop: Callable[[], bool] = lambda: False) -> None:
+    """``examples`` examples of up to ``steps`` rules each (fewer when no rule of the example's swarm is enabled),
+    every per-step check after every rule; what a rule or a check raises (a verdict) propagates. ``stop`` ends the
+    run between examples."""
+    for i in range(examples):
+        if stop():
+            return
+        rng = random.Random(f"kvproof-breadth:{seed}:{i}")
+        m = machine()
+        try:
+            config = swarm(rng, _rules(m))
+            m.run_checks()
+            for _ in range(steps):
+                enabled = [r for r in config.weights if _enabled(m, r)]
+                if not enabled:
+                    break
+                rule = rng.choices(enabled, weights=[config.weights[r] for r in enabled])[0]
+                _step(m, rule, rng, config.edge)
+                m.run_checks()
+        finally:
+            m.teardown()

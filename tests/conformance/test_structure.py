@@ -1,0 +1,63 @@
+"""Structural coverage (issue 14): for every component, a ``ci`` run of its default configs against kvproof's runtime
+takes each structural dimension its suite declares (batch sizes, requests alive, pools full, restore and remap
+cycles, each misuse case, ...) to its maximum on at least one config; and the measurement can fail: a suite whose
+strategies cannot reach a dimension is reported as below its maximum.
+
+The runs are the plan ``kvproof conform --component <c>`` makes (the registry's default implementation and options).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+
+from kvproof.conformance import swa_allocator as swa_suite
+from kvproof.conformance.check import Suite, get_suite, run_check, structure_unreached
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.lockstep import operation
+from kvproof.conformance.plan import load_impls, plan
+from kvproof.conformance.swa_allocator import SWAAllocatorMachine
+from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+from kvproof.reference.registry import Component, Layer, info
+
+WITH_SUITES = [c.value for c in Component if info(c).has(Layer.SUITE)]
+
+
+@pytest.mark.parametrize("component", WITH_SUITES)
+def test_ci_reaches_every_declared_dimension(component: str) -> None:
+    reports = []
+    for test in plan((component,), load_impls(()), (), None, {}).tests:
+        report = run_check(test.component, test.impl.factory, test.config, profile="ci", impl_name=test.impl.spec,
+                           failures_dir=None, **test.options)
+        assert report.passed, report.failure
+        reports.append(report)
+    declared = {d for r in reports for d in r.structure_targets}
+    assert declared, f"{component} declares no structural dimension"
+    # every misuse case the suite declares is a dimension (decode_prealloc and tp_prefetch declare none)
+    assert {f"misuse {name}" for name in get_suite(component).misuse_cases} <= declared | {
+        f"misuse {n}" for r in reports for n in get_suite(component).misuse_cases if f"misuse:{n}" in r.not_applicable}
+    assert len(declared) >= 5, declared
+    assert structure_unreached(reports) == {}, structure_unreached(reports)
+
+
+class NarrowAllocations(SWAAllocatorMachine):
+    """The ``swa_allocator`` rules with ``alloc_extend`` narrowed to one request of one token: batches of 2 and 3 and
+    a request as long as the SWA pool are out of its reach."""
+
+    @operation(data=st.data())
+    def alloc_extend(self, data: object) -> None:
+        self._extend("alloc_extend", [(self._new_rid(), 0, 1)])
+
+
+def test_a_narrow_strategy_is_reported_below_its_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(swa_suite, "SUITE", Suite(NarrowAllocations, CONFORMANCE_CONFIGS[:1]))
+    get_suite.cache_clear()  # the suites are looked up once per process
+    try:
+        report = run_check(Component.SWA_ALLOCATOR, SWATokenToKVPoolAllocator, CONFORMANCE_CONFIGS[0], profile="dev",
+                           impl_name="runtime", failures_dir=None)
+    finally:
+        monkeypatch.undo()
+        get_suite.cache_clear()
+    missed = report.structure_missed()
+    assert missed["alloc_extend batch size"] == (1, 3), missed
+    assert structure_unreached([report])["alloc_extend batch size"] == (1, 3)
