@@ -127,7 +127,6 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         # 0.5.23's scheduler matches each request right before its add (get_new_batch_prefill's loop); the seed-era
         # one matched the whole queue first, so an earlier load-back or an eviction could make a match stale (§5.7)
         self.match_each = c.policy is AdmissionPolicy.UPSTREAM_0523
-        self.events: dict[tuple[str, object], int] = {}  # per-example counts of structural events (_count)
 
     # ------------------------------------------------------------ structural coverage
 
@@ -150,11 +149,6 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         return {"requests waiting at once": statuses.count(ReqStatus.WAITING),
                 "requests running at once": statuses.count(ReqStatus.RUNNING),
                 "swa pool exhausted": int(self.ref.available == 0)}
-
-    def _count(self, dimension: str, key: object = None) -> None:
-        """One more event of ``dimension`` in this example (per ``key`` when given); the run keeps the most."""
-        self.events[dimension, key] = self.events.get((dimension, key), 0) + 1
-        self.note(dimension, self.events[dimension, key])
 
     # ------------------------------------------------------------ helpers
 
@@ -263,7 +257,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                         self.impl.get_new_batch_prefill)
         if out:
             self.ref = out[0][0]
-            self._count("get_new_batch_prefill per example")
+            self.count("get_new_batch_prefill per example")
             self.queue, self.matched, self.stopped = self._waiting(), set(), False
             self.continuing = self._chunked()
 
@@ -295,7 +289,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.fail(f"add_chunked_req returned {got} for {described} with rem_swa_tokens {rem}, the reference "
                       f"{want}")
         self.trace.outcome(f" -> {want.value}")
-        self._count("add_chunked_req per request", rid)
+        self.count("add_chunked_req per request", rid)
         self.note("add_chunked_req deferred", int(want is ad.ChunkedResult.DEFERRED))
         if ad.budget_state(self.ref) is ad.AddReqResult.OTHER:
             self.stopped = True
@@ -401,7 +395,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                         lambda: self.impl.evict(n))
         if out:
             self.ref = out[0][0]
-            self._count("evict per example")
+            self.count("evict per example")
 
     @operation(when=lambda self: not self._round_open() and self._uncached(), data=st.data())
     def cache_unfinished_req(self, data: Any) -> None:

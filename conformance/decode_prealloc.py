@@ -68,7 +68,6 @@ class DecodePreallocMachine(SWALockstep):
         self.decode_config: dp.DecodeConfig = binding.options.get("decode_config", DEFAULT_DECODE_CONFIG)
         self.node = dp.initial_node(self.decode_config)
         self.copies: dict[int, object] = {}  # the implementation's CPU copies of retracted requests
-        self.resumptions = 0  # resume_retracted_reqs calls in this example
 
     # ------------------------------------------------------------ structural coverage
 
@@ -137,8 +136,7 @@ class DecodePreallocMachine(SWALockstep):
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.retracted)
     def resume_retracted_reqs(self) -> None:
         """Re-admit retracted requests and load their KV back (D1 must hold here too)."""
-        self.resumptions += 1
-        self.note("resume_retracted_reqs per example", self.resumptions)
+        self.count("resume_retracted_reqs per example")
         self._step("resume_retracted_reqs", dp.resume_retracted_reqs(self.node, self.ref))
 
     # ------------------------------------------------------------ replay of the scheduler's calls

@@ -78,7 +78,6 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
         self.running: dict[int, Running] = {}  # request slot -> request
         self.next_rid, self.tag = 1, 0
         self.used_slots: set[int] = set()  # request slots admitted into in this example
-        self.reused = 0  # admissions into a slot an earlier request of this example held
 
     # ------------------------------------------------------------ helpers
 
@@ -154,8 +153,7 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
         if out:
             (self.ref, _), impl_slots = out
             if r in self.used_slots:
-                self.reused += 1
-                self.note("slots reused per example", self.reused)
+                self.count("slots reused per example")  # a slot an earlier request of this example held
             self.used_slots.add(r)
             self.next_rid += 1
             self.running[r] = Running(rid, n + 1)

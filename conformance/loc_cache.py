@@ -381,7 +381,7 @@ class LocCacheMachine(SWAAllocatorMachine):
                         lambda: (self._ref_write(ref_slots, rows), None), self.impl.replay)
         if out:
             self.ref = out[0][0]
-            self._cycle("replay")
+            self.count("replay per example")
         self._end_batch(batch, graph.numel)
 
     # ------------------------------------------------------------ register_mapping
@@ -394,7 +394,7 @@ class LocCacheMachine(SWAAllocatorMachine):
             self.ref = out[0][0]
             self.reqs.clear()
             self.names.reset()
-            self._cycle("register_mapping")
+            self.count("register_mapping per example")
 
 
 

@@ -578,6 +578,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             raise LockstepFailure(self.stats.hung)
         self.trace = Trace(journal=_monitor is not None)
         self.example_structure: dict[str, int] = {}  # the most each dimension reached in this example
+        self.example_counts: collections.Counter[tuple[str, object]] = collections.Counter()  # count()'s tallies
         self._gates_at = -1  # the step whose preconditions _gates holds
         self._gates: dict[str, bool] = {}
         self.impl_calls = 0  # implementation calls so far, snapshot() excepted (Watched counts them)
@@ -656,7 +657,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             for label in self.targets:
                 target(float(self.example_structure.get(label, 0)), label=label)
 
-    # ------------------------------------------------------------ structural coverage (kvproof.conformance.structure)
+    # ------------------------------------------------------------ structural coverage
 
     @classmethod
     def structure(cls, config: Any) -> Mapping[str, int]:
@@ -673,6 +674,12 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         for record in (self.stats.structure, self.example_structure):
             if value > record.get(dimension, -1):
                 record[dimension] = value
+
+    def count(self, dimension: str, key: object = None) -> None:
+        """One more event of ``dimension`` in this example (``"restore_state per example"``); with ``key``, counted
+        per key (``"add_chunked_req per request"``, by request), the most over the keys kept."""
+        self.example_counts[dimension, key] += 1
+        self.note(dimension, self.example_counts[dimension, key])
 
     @check_after_each_step
     def measured(self) -> None:

@@ -21,7 +21,6 @@ only for implementations declaring ``Capability.REJECTS_MISUSE``.
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +100,6 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         self.retracted: list[Retracted] = []
         self.pending: Pending | None = None
         self.next_rid, self.tag = 1, 0
-        self.cycles: Counter[str] = Counter()  # restores and remaps in this example (structural coverage)
         self.layers: dict[str, set[int]] = {"full": set(), "swa": set()}  # layer ids written per pool
 
     # ------------------------------------------------------------ plumbing
@@ -253,10 +251,6 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                 "full pages of one request": max((-(-len(r.slots) // p) for r in self.reqs.values()), default=0),
                 "full pool exhausted": int(not self.ref.full.free_pages),
                 "swa pool exhausted": int(not self.ref.swa.free_pages)}
-
-    def _cycle(self, what: str) -> None:
-        self.cycles[what] += 1
-        self.note(f"{what} per example", self.cycles[what])
 
     # ------------------------------------------------------------ the invariant
 
@@ -459,7 +453,7 @@ class SWAAllocatorMachine(SWALockstep):
                         lambda: self.impl.set_full_to_swa_mapping(self._t(impl_full), self._t(impl_swa)))
         if out:
             self.ref = out[0][0]
-            self._cycle("set_full_to_swa_mapping")
+            self.count("set_full_to_swa_mapping per example")
 
     @operation(needs={C.BACKUP_RESTORE}, when=lambda self: self.pending is None and self.reqs)
     def backup_state(self) -> None:
@@ -479,7 +473,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.ref = out[0][0]
             self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
             self.pending = None
-            self._cycle("restore_state")
+            self.count("restore_state per example")
 
     @operation(needs={C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
     def set_kv_buffer(self, data: Any) -> None:

@@ -125,7 +125,6 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         self.path: tuple[HostNode, ...] = self.config.existing
         self.state: tp.PrefetchState | None = None  # the check in progress (or the one that ended waiting)
         self.pending: tuple[int, tuple[tp.RankProgress, ...]] | None = None  # a waiting request: R and its shape
-        self.commits = 0  # checks committed in this example
 
     def teardown(self) -> None:
         super().teardown()
@@ -255,8 +254,7 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
         if after.phase in (Phase.COMMITTED, Phase.WAITING, Phase.REVOKED):
             self.note(f"check {after.phase.value}")
         if after.phase is Phase.COMMITTED:
-            self.commits += 1
-            self.note("commits per example", self.commits)
+            self.count("commits per example")
             for commit in (r.commit for r in after.ranks if r.commit is not None):
                 self.note("swa window attached", int(commit.attached))
                 self.note("prefetch discarded", int(commit.discarded))
