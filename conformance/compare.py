@@ -158,10 +158,14 @@ class Renaming:
 
     def _compare_mapping(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
         p, mine, theirs = self.page_size, state.full_to_swa_index_mapping, snap.full_to_swa_index_mapping
+        forward, fill, bound = self.full.forward, state.fill, None
         for g in _allocated(state.full.owner):
-            for r in range(g * p, g * p + state.fill[g]):
-                i = self.impl_slot(r)
+            shift = (forward[g] - g) * p  # implementation slot - reference slot, on this page (impl_slot)
+            for r in range(g * p, g * p + fill[g]):
+                i = r + shift
                 m, mi = mine[r], theirs[i]
+                if m > 0 and mi > 0 and m % p == mi % p and (m // p, mi // p) == bound:
+                    continue  # the slot's SWA page pair is the one bound just before (the common case)
                 if m == 0 and mi != 0:
                     _diverge(f"M[{r}] is 0 in the reference (no SWA slot), but the implementation maps its slot "
                              f"{i} to SWA slot {mi} (stale mapping: free_swa would release that page)")
@@ -171,6 +175,7 @@ class Renaming:
                     if m % p != mi % p:
                         _diverge(f"M[{r}] = {m} (offset {m % p}); implementation M[{i}] = {mi} (offset {mi % p})")
                     self.swa.bind(m // p, mi // p, f"mapping of full slot {r}")
+                    bound = (m // p, mi // p)
 
 
 def _allocated(owner: tuple[int | None, ...]) -> set[int]:

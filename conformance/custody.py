@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvproof.reference.contract import CALLER_OWNED_RESULTS
@@ -40,7 +40,7 @@ def _tensors(value: Any, label: str, depth: int = 0) -> Iterator[tuple[str, Any]
     import torch
 
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
+        if not value.is_meta:
             yield label, value
     elif depth < 3 and isinstance(value, tuple | list):
         for i, v in enumerate(value):
@@ -50,17 +50,40 @@ def _tensors(value: Any, label: str, depth: int = 0) -> Iterator[tuple[str, Any]
             yield from _tensors(v, f"{label}[{k!r}]", depth + 1)
 
 
-def _same(tensor: Any, clone: Any) -> bool:
+#: Host integer tensors up to this many elements are kept as Python values (``tolist``: a fifth of a clone's price
+#: and of the comparison's, for the small index tensors a lockstep hands over); others as a clone.
+LISTED = 4096
+
+
+def _keep(tensor: Any) -> Any:
+    """What ``tensor`` holds now, to compare with later: ``(shape, dtype, values)`` for a small host integer tensor,
+    else a clone."""
+    if tensor.is_cpu and not (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() <= LISTED:
+        return tensor.shape, tensor.dtype, tensor.tolist()
+    return tensor.detach().clone()
+
+
+def _same(tensor: Any, kept: Any) -> bool:
+    """``tensor`` still holds what :func:`_keep` kept (NaN equals NaN)."""
     import torch
 
-    if tensor.shape != clone.shape or tensor.dtype != clone.dtype:
+    if isinstance(kept, tuple):
+        shape, dtype, values = kept
+        return tensor.dtype == dtype and tensor.shape == shape and tensor.tolist() == values
+    if tensor.dtype != kept.dtype:
         return False
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.equal(tensor, clone) or torch.allclose(tensor, clone, rtol=0, atol=0, equal_nan=True))
-    return bool(torch.equal(tensor, clone))
+    if torch.equal(tensor, kept):  # False for another shape too: the common case costs one call
+        return True
+    if tensor.shape == kept.shape and (tensor.is_floating_point() or tensor.is_complex()):
+        return bool(torch.allclose(tensor, kept, rtol=0, atol=0, equal_nan=True))  # NaN == NaN here
+    return False
 
 
 def _show(tensor: Any) -> str:
+    if isinstance(tensor, tuple):  # kept as values (_keep)
+        import torch
+
+        tensor = torch.tensor(tensor[2], dtype=tensor[1]).reshape(tensor[0])
     flat = tensor.detach().reshape(-1)
     items = flat[:8].tolist()
     return f"{items}{'...' if flat.numel() > 8 else ''}"
@@ -98,13 +121,17 @@ class Custody:
         """``(where, tensor, clone)`` for every tensor the call is handed (``where``: ``#1`` ... or a keyword)."""
         if not args and not kwargs:
             return []
+        import torch
+
         out = []
         for i, value in enumerate(args, 1):
-            for where, tensor in _tensors(value, f"#{i}"):
-                out.append((where, tensor, tensor.detach().clone()))
+            if isinstance(value, torch.Tensor):  # the common case, without the generator
+                if not value.is_meta:
+                    out.append((f"#{i}", value, _keep(value)))
+            elif isinstance(value, tuple | list | dict):
+                out += [(where, tensor, _keep(tensor)) for where, tensor in _tensors(value, f"#{i}")]
         for name, value in kwargs.items():
-            for where, tensor in _tensors(value, name):
-                out.append((where, tensor, tensor.detach().clone()))
+            out += [(where, tensor, _keep(tensor)) for where, tensor in _tensors(value, name)]
         return out
 
     def after(self, op: str, method: Any, inputs: list[tuple[str, Any, Any]], step: int = 0, result: Any = None, *,
@@ -120,14 +147,14 @@ class Custody:
             if isinstance(result, torch.Tensor) and result.device.type != "meta":
                 storages = {_storage(t) for _, t, _ in inputs}
                 if _storage(result) not in storages:
-                    self.returned.append((op, step, result, result.detach().clone()))
+                    self.returned.append((op, step, result, _keep(result)))
         return None
 
-    def returned_problem(self, calls: str) -> str | None:
+    def returned_problem(self, calls: Callable[[], str]) -> str | None:
         """What the implementation wrote into a tensor it returned earlier (``None`` if nothing): checked after every
-        step; ``calls`` names the step's calls (one of them wrote it)."""
+        step; ``calls()`` names the step's calls (one of them wrote it; asked only then)."""
         for earlier_op, earlier_step, tensor, clone in self.returned:
             if not _same(tensor, clone):
-                return (f"{calls} wrote into the tensor {earlier_op} returned at step {earlier_step} "
+                return (f"{calls()} wrote into the tensor {earlier_op} returned at step {earlier_step} "
                         f"(then {_show(clone)}, now {_show(tensor)})")
         return None

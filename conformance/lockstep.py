@@ -421,6 +421,7 @@ class Trace:
     def __init__(self, *, journal: bool = False) -> None:
         self.steps: list[list[str]] = [[]]
         self._heads: list[int | None] = [None]
+        self._done = 0  # steps before the last one that hold an operation (every one: _next_step drops empty ones)
         #: with ``journal``, every call below as ``(method, args)``, for a copy in another process to repeat
         self.journal: list[tuple[str, tuple[Any, ...]]] | None = [] if journal else None
 
@@ -459,9 +460,11 @@ class Trace:
         if self.steps[-1]:
             self.steps.append([])
             self._heads.append(None)
+            self._done += 1
 
     def __len__(self) -> int:
-        return sum(1 for step in self.steps if step)
+        """Steps that hold an operation (asked several times a step: counted, not recomputed)."""
+        return self._done + bool(self.steps[-1])
 
     def render(self) -> str:
         """Numbered steps, each headed by its own operation; asides and further operations indented, in order."""
@@ -603,6 +606,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         #: each operation's capability gate on this run (capabilities and config are fixed for the example)
         self.applicable = {name: op.applicable(self.caps, self.config) for name, op in self.operations.items()}
         self.impl: Any = Watched(built, self)
+        self.target: Any = built  # the implementation itself, for queries (:meth:`query`)
 
     # ------------------------------------------------------------ declarations at work
 
@@ -685,7 +689,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     def measured(self) -> None:
         """After every step: the tensors the implementation returned are as it returned them
         (:mod:`kvproof.conformance.custody`), and the state dimensions (:meth:`measure`)."""
-        problem = self.custody.returned_problem(f"a call of step {len(self.trace)} (the last: {self.last_op})")
+        problem = self.custody.returned_problem(lambda: f"a call of step {len(self.trace)} (the last: {self.last_op})")
         if problem:
             self.fail(problem)
         for dimension, value in self.measure().items():
@@ -839,6 +843,13 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             raise
         except Exception as err:  # noqa: BLE001 - a broken observation is a verdict about the implementation
             self.fail(f"{what} raised {type(err).__name__}: {err}")
+
+    def query(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(implementation)``: several queries of the implementation (``QUERIES``: methods that change nothing and
+        take no tensor of the caller's) as one observation under one deadline; anything they raise, a timeout
+        included, is a verdict naming ``what``. Cheaper than a watched call per query (no custody, one timer), which
+        is what the per-step comparison makes several of."""
+        return self.observe(what, lambda: self._deadline(what, lambda: fn(self.target)))
 
     def snapshot(self, target: Any = None) -> Any:
         """The implementation's ``snapshot()`` (or that of ``target``, another watched object), of the

@@ -263,18 +263,19 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         try:
             snap = self.snapshot()
             self.names.compare(self.ref, snap)
-            for what, mine, theirs in (
-                ("available_size", ref.available_size(self.ref),
-                 self.observe("available_size()", self.impl.available_size)),
-                ("full_available_size", ref.full_available_size(self.ref),
-                 self.observe("full_available_size()", self.impl.full_available_size)),
-                ("swa_available_size", ref.swa_available_size(self.ref),
-                 self.observe("swa_available_size()", self.impl.swa_available_size)),
-            ):
+            sizes = self.query("available_size(), full_available_size(), swa_available_size()",
+                               lambda impl: (impl.available_size(), impl.full_available_size(),
+                                             impl.swa_available_size()))
+            for what, mine, theirs in zip(("available_size", "full_available_size", "swa_available_size"),
+                                          (ref.available_size(self.ref), ref.full_available_size(self.ref),
+                                           ref.swa_available_size(self.ref)), sizes, strict=True):
                 if int(theirs) != mine:
                     self.fail(f"{what}() = {theirs}, reference {mine}")
             if self.supports(C.KV_BUFFER):
-                self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap))
+                layers = range(self.config.kv.num_layers)
+                buffers = self.query("get_kvcache().get_kv_buffer()",
+                                     lambda impl: [impl.get_kvcache().get_kv_buffer(layer) for layer in layers])
+                self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap, buffers))
         except Divergence as err:
             self.fail(str(err))
         self.trace.next_step()
@@ -282,14 +283,13 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     def _after_step(self) -> None:
         """Hook run after every step, before the comparison (a subclass may probe)."""
 
-    def _compare_kv(self, snap: AllocatorSnapshot) -> None:
+    def _compare_kv(self, snap: AllocatorSnapshot, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every defined KV row of every live token, per layer, equals the implementation's row at its slot.
 
         The (reference slot, implementation slot) pairs are the same for every layer of a pool: they are built once
         per pool, each layer's defined rows are gathered in one indexing and compared as one tensor; the rows are
         looked at one by one only to name the first that differs."""
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
-        kvpool = self.impl.get_kvcache()
         snap_m, impl_slot = snap.full_to_swa_index_mapping, self.names.impl_slot
         full = [(r, impl_slot(r), rid) for rid, req in sorted(self.reqs.items()) for r in req.slots]
         swa = [(m[r], snap_m[i], rid) for r, i, rid in full if m[r] > 0]
@@ -299,7 +299,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
             defined = [(pair, row) for pair, row in zip(pairs, want, strict=True) if row is not None]
             if not defined:
                 continue
-            k, v = kvpool.get_kv_buffer(layer)
+            k, v = buffers[layer]
             idx = torch.tensor([b for (_, b, _), _ in defined], dtype=torch.int64, device=k.device)
             got = torch.cat([k[idx].reshape(len(defined), -1), v[idx].reshape(len(defined), -1)], dim=1).float()
             expected = torch.tensor([row for _, row in defined], dtype=torch.float32, device=got.device)

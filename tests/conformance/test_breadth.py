@@ -1,0 +1,143 @@
+"""The breadth driver (``kvproof fuzz --mode breadth``, :mod:`kvproof.conformance.breadth`): every suite's rules run
+under it, its rule choice follows the swarm's weights over the enabled rules only, the same seed gives the same run,
+and a planted bug is found and its vector shrunk and replayed."""
+
+from __future__ import annotations
+
+import collections
+import random
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from kvproof.conformance.breadth import EDGES, Swarm, _choose, swarm
+from kvproof.conformance.check import get_suite, replay_vector, run_check
+from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.generation import sample
+from kvproof.conformance.mutants.swa_allocator import MUTANTS
+from kvproof.conformance.plan import load_impls, plan
+from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference.registry import Component, Layer, info
+
+SUITES = [c for c in Component if info(c).has(Layer.SUITE)]
+
+
+def _small(examples: int, steps: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None)
+
+
+@pytest.mark.parametrize("component", [c.value for c in SUITES])
+def test_every_declared_strategy_is_sampled_within_its_bounds(component: str) -> None:
+    """Each rule's declared argument strategies, sampled at every edge probability: values Hypothesis could draw
+    (an integer within its bounds, an element of a ``sampled_from``); a strategy ``sample`` does not know is a
+    HarnessBug, never a silent default."""
+    machine = get_suite(component).machine
+    rng = random.Random(0)
+    declared = [(op.name, name, strategy) for op in machine.operations.values() for name, strategy in op.strategies
+                if name != "data"]
+    for rule, name, strategy in declared:
+        for edge in EDGES:
+            for _ in range(50):
+                value = sample(strategy, rng, edge)
+                assert _could_draw(strategy, value), (rule, name, strategy, value)
+
+
+def _could_draw(strategy: Any, value: Any) -> bool:
+    s = strategy
+    while type(s).__name__ == "LazyStrategy":
+        s = s.wrapped_strategy
+    kind = type(s).__name__
+    if kind == "IntegersStrategy":
+        return isinstance(value, int) and s.start <= value <= s.end
+    if kind == "BooleansStrategy":
+        return isinstance(value, bool)
+    if kind == "SampledFromStrategy" and not s._transformations:
+        return value in list(s.elements)
+    return True  # mapped / filtered / composite shapes: sample() applies their own functions
+
+
+def test_sample_refuses_a_strategy_it_does_not_know() -> None:
+    with pytest.raises(HarnessBug, match="breadth sampling does not know"):
+        sample(st.text(), random.Random(0))
+    with pytest.raises(HarnessBug, match="bounded integers"):
+        sample(st.integers(min_value=0), random.Random(0))
+
+
+def test_edges_are_drawn_at_the_rate_asked() -> None:
+    """With edge probability 1 an integer is one of its bounds (or next to them); with 0 it spreads over the range."""
+    rng = random.Random(1)
+    assert {sample(st.integers(10, 1000), rng, 1.0) for _ in range(200)} <= {10, 11, 999, 1000}
+    assert len({sample(st.integers(10, 1000), rng, 0.0) for _ in range(200)}) > 100
+
+
+class _Rules:
+    """A stand-in machine for the rule choice: ``enabled`` says which rules' preconditions hold."""
+
+    def __init__(self, enabled: set[str]) -> None:
+        self.enabled = enabled
+        self.asked: collections.Counter[str] = collections.Counter()
+
+    def _enabled(self, op: Any) -> bool:
+        self.asked[op] += 1
+        return op in self.enabled
+
+
+def test_the_rule_choice_follows_the_weights_over_the_enabled_rules_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rejection sampling: the chosen rule is always enabled, in proportion to the weights among the enabled ones,
+    and a step usually asks one precondition, not all of them; with nothing enabled the example ends (None)."""
+    import kvproof.conformance.breadth as breadth
+
+    monkeypatch.setattr(breadth, "_enabled", lambda machine, rule: machine._enabled(rule))
+    config = Swarm({"a": 1.0, "b": 3.0, "c": 6.0, "d": 10.0}, 0.0)
+    machine = _Rules({"a", "b", "c"})
+    rng = random.Random(3)
+    chosen = collections.Counter(_choose(machine, config, rng) for _ in range(20_000))  # type: ignore[arg-type]
+    assert set(chosen) == {"a", "b", "c"}
+    for rule, weight in (("a", 0.1), ("b", 0.3), ("c", 0.6)):
+        assert abs(chosen[rule] / 20_000 - weight) < 0.02, chosen
+    assert sum(machine.asked.values()) < 2.1 * 20_000  # "d" (half the weight) is asked about, then dropped
+    assert _choose(_Rules(set()), config, rng) is None  # type: ignore[arg-type]
+
+
+def test_a_swarm_keeps_at_least_one_rule_and_an_edge_probability() -> None:
+    rules = ["alloc", "free", "misuse"]
+    for seed in range(200):
+        config = swarm(random.Random(seed), rules)
+        assert config.weights and set(config.weights) <= set(rules)
+        assert all(0.1 <= w <= 1.0 for w in config.weights.values()) and config.edge in EDGES
+
+
+@pytest.mark.parametrize("component", [pytest.param(c.value, marks=[pytest.mark.xdist_group("ranks")] * (
+    c is Component.TP_PREFETCH)) for c in SUITES])
+def test_every_suite_runs_under_the_breadth_driver(component: str, no_rank_left: None) -> None:
+    """The component's default implementation on its first config: a few swarm examples pass, every step checked
+    (steps counted by the per-step comparison), the same seed gives the same fingerprint and another seed another."""
+    test = plan((component,), load_impls(()), (), None, {}).tests[0]
+
+    def run(seed: int) -> Any:  # isolated: tp_prefetch's rank processes end with the run's child
+        return run_check(test.component, test.impl.factory, test.config, settings=_small(4, 12), seed=seed,
+                         engine="breadth", failures_dir=None, **test.options)
+
+    first, again, other = run(5), run(5), run(6)
+    assert first.passed, first.failure
+    assert first.examples == 4 and first.steps > 4  # every example checks its initial state, then each step
+    assert first.fingerprint == again.fingerprint and first.rules == again.rules
+    assert other.fingerprint != first.fingerprint
+
+
+def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
+    """A mutant of the SWA allocator that accepts bad frees, under the breadth driver: found, its vector shrunk to
+    the one misuse that shows it, which fails again when replayed; the runtime itself passes the same run."""
+    config = get_suite(Component.SWA_ALLOCATOR).configs[1]
+    kwargs: dict[str, Any] = dict(settings=_small(60, 30), seed=0, engine="breadth", isolation="in-process",
+                                  failures_dir=None)
+    report = run_check(Component.SWA_ALLOCATOR, MUTANTS["double_free_accepted"], config, **kwargs)
+    verdict = "free succeeded; the reference raised InvalidOperation"
+    assert report.failure is not None and verdict in report.failure
+    assert report.vector is not None and report.detected_steps is not None
+    assert len(report.vector["steps"]) == 1 and report.vector["steps"][0]["rule"] == "misuse"  # shrunk from 30
+    replayed = replay_vector(report.vector, MUTANTS["double_free_accepted"], isolation="in-process")
+    assert replayed.failure is not None and verdict in replayed.failure
+    assert run_check(Component.SWA_ALLOCATOR, SWATokenToKVPoolAllocator, config, **kwargs).passed
