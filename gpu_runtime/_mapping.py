@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvproof.gpu_runtime._geometry import host_tensor, page_offsets
 from kvproof.gpu_runtime.paged import PagedTokenToKVPoolAllocator
 from kvproof.reference.errors import InvariantViolation
 from kvproof.reference.swa_allocator import check_live_pairs
@@ -35,7 +36,8 @@ class Owners:
 
     Cheap on the hot path: one new request (every prefill chunk that starts a request,
     every bulk ``alloc``) costs two ``index_fill_`` on the pages taken; a batch labels its
-    slots' pages with one gather and two ``index_put_``.
+    new pages (per-request labels spread by the host's page counts) with two
+    ``index_put_``, and pages it only continues keep their label.
     """
 
     def __init__(self, full_pages: int, swa_pages: int, device: torch.device) -> None:
@@ -52,20 +54,27 @@ class Owners:
         """Per request: the owner of ``last_loc``'s page if it has a prefix, else a fresh label (in request order).
 
         One request: an ``int`` when it is new (known on the host), else its page's label
-        as a 1-element tensor. A batch: one label per request.
+        as a 1-element tensor. A batch: one label per request. Which requests are new is
+        read from the host twin ``pre_cpu`` (``pre`` holds the same values).
         """
-        bs = pre_cpu.numel()
-        if bs == 1:
-            return self.fresh() if int(pre_cpu[0]) == 0 else self.full[last_loc // page_size]
-        if bool(pre_cpu.all()):  # host: every request continues (a decode batch)
-            return self.full[last_loc // page_size]
-        if not bool(pre_cpu.any()):  # host: every request is new (a prefill batch)
-            self.next_label += bs
-            return torch.arange(self.next_label - bs, self.next_label, device=self.full.device)
-        new = pre == 0
-        labels = torch.cumsum(new.to(torch.int64), 0) + (self.next_label - 1)
-        self.next_label += int((pre_cpu == 0).sum())
-        return torch.where(new, labels, self.full[last_loc.clamp(min=0) // page_size])
+        pre_l = pre_cpu.tolist()
+        if len(pre_l) == 1:
+            return self.fresh() if pre_l[0] == 0 else self._of_pages(last_loc, page_size)
+        new = [i for i, n in enumerate(pre_l) if n == 0]  # host
+        if not new:  # every request continues (a decode batch)
+            return self._of_pages(last_loc, page_size)
+        first = self.next_label
+        self.next_label += len(new)
+        if len(new) == len(pre_l):  # every request is new (a prefill batch)
+            return torch.arange(first, self.next_label, device=self.full.device)
+        labels = self._of_pages(last_loc.clamp(min=0), page_size)
+        which, fresh = host_tensor([new, list(range(first, self.next_label))], labels.device)
+        return labels.index_copy_(0, which, fresh)
+
+    def _of_pages(self, slots: Tensor, page_size: int) -> Tensor:
+        """The full-pool owner label of each slot's page."""
+        pages = slots if page_size == 1 else torch.div(slots, page_size, rounding_mode="floor")
+        return self.full.index_select(0, pages)
 
     def claim_pages(self, full_pages: Tensor, swa_pages: Tensor, label: int | Tensor) -> None:
         """Whole new pages of one owner."""
@@ -88,24 +97,53 @@ def check_live_mapping(full: PagedTokenToKVPoolAllocator, swa: PagedTokenToKVPoo
                        owners: Owners) -> None:
     """The reference's ``check_live_mapping`` on ``mapping``: :class:`InvariantViolation` naming the first broken rule.
 
-    A few reductions decide whether any rule breaks; only then are the live pairs
-    brought to the host and checked slot by slot with the reference's own rules
+    One fused reduction decides whether any rule breaks (:func:`_rules_hold`); only then
+    are the rules taken one by one (:func:`_first_broken_rule`) and the live pairs brought
+    to the host and checked slot by slot with the reference's own rules
     (``kvproof.reference.swa_allocator.check_live_pairs``), so the error and its message
     are the reference's for the same violation. Entries ``<= 0`` are not checked here (M1 is).
     """
-    p = full.page_size
-    slots = torch.arange(p, full.end_slot, device=mapping.device)
-    f = slots[full.live_mask(slots)]
-    s = mapping[f]
-    f, s = f[s > 0], s[s > 0]
-    broken = _first_broken_rule(f, s, p, swa, owners)
-    if broken is None:
+    p, n = full.page_size, full.num_pages
+    # the real slots P .. end_slot, page by page: live (offset < fill) and mapped (M > 0)
+    live = (page_offsets(p, mapping.device) < full.fill[1:n + 1].unsqueeze(1)).view(-1)
+    m = mapping[p:full.end_slot]
+    at = live.logical_and_(m > 0).nonzero().view(-1)
+    f, s = at + p, m.index_select(0, at)
+    if _rules_hold(f, s, p, swa, owners):
         return
     fill, labels = swa.fill.tolist(), owners.swa.tolist()
     swa_owner = {h: labels[h] for h in range(1, swa.num_pages + 1) if fill[h] > 0}
     check_live_pairs(p, zip(f.tolist(), s.tolist(), strict=True), owners.full.tolist(), swa_owner)
     # the per-slot rules passed where a reduction failed: only a broken pool gets here (a live page 0, G1)
-    raise InvariantViolation(*broken)
+    broken = _first_broken_rule(f, s, p, swa, owners)
+    if broken is not None:  # always: _rules_hold fails exactly when a rule breaks
+        raise InvariantViolation(*broken)
+
+
+def _rules_hold(f: Tensor, s: Tensor, p: int, swa: PagedTokenToKVPoolAllocator, owners: Owners) -> bool:
+    """Whether the live pairs ``(f, s)`` keep every rule of :func:`_first_broken_rule`, in one reduction.
+
+    "No two live slots share an SWA slot" is not computed: it follows from M5 (same
+    offset, one full page per SWA page). One SWA page pairs with one full page iff each
+    pair finds its own full page in a table written at every pair's SWA page (whichever
+    write wins, a second full page makes some pair miss); that table also marks the SWA
+    pages reached (G3: full pages are >= 1).
+    """
+    if p == 1:
+        g, h = f, s.clamp(max=swa.num_pages + 1)
+    else:
+        g = torch.div(f, p, rounding_mode="floor")
+        h = torch.div(s, p, rounding_mode="floor").clamp_(max=swa.num_pages + 1)
+    paired = torch.zeros_like(swa.fill).index_put_((h,), g)
+    rules = [
+        swa.fill.index_select(0, h) > 0,  # M2: into an allocated SWA page
+        owners.swa.index_select(0, h) == owners.full.index_select(0, g),  # M2: of the same owner
+        paired.index_select(0, h) == g,  # M5: one full page per SWA page
+        (paired != 0).logical_or_(swa.fill == 0),  # G3: every allocated SWA page reached
+    ]
+    if p > 1:
+        rules.append(s.remainder(p) == f.remainder(p))  # M5: same offset
+    return bool(torch.cat(rules).all())
 
 
 def _first_broken_rule(f: Tensor, s: Tensor, p: int, swa: PagedTokenToKVPoolAllocator,

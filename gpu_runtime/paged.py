@@ -22,6 +22,12 @@ P == 1 it APPENDS the slots in the given order (written at ``tail``: FIFO). Argu
 checks with op names are the caller's job (the SWA composite); :meth:`check_live`
 serves them, since this class owns ``fill``.
 
+The allocation paths read the pages they take as a view of the buffer
+(``take_pages(copy=False)``), used before any release can write there; at P == 1, where
+the slots are the pages, the slots handed to the caller are a copy. Wholly new pages
+get their ``fill`` from host counts (:meth:`~PagedTokenToKVPoolAllocator.mark_pages`),
+other slots by a scatter-max.
+
 Backups hold the buffer and the window (O(1)) plus a copy of ``fill``. Only releases
 write into the buffer, and they write outside every window taken since (below the
 head or past the tail, or into a fresh buffer), so a restore is exact as long as no
@@ -34,7 +40,15 @@ from typing import NamedTuple
 
 import torch
 
-from kvproof.gpu_runtime._geometry import Plan, count_new_pages, decode_plan, extend_plan, page_offsets, page_slots
+from kvproof.gpu_runtime._geometry import (
+    Plan,
+    SinglePlan,
+    count_new_pages,
+    decode_plan,
+    extend_plan,
+    page_offsets,
+    page_slots,
+)
 from kvproof.reference.errors import ConfigError, OutOfMemory, ensure, require
 
 __all__ = ["PagedBackup", "PagedTokenToKVPoolAllocator", "as_index", "default_device", "resolve_device"]
@@ -145,13 +159,17 @@ class PagedTokenToKVPoolAllocator:
 
     # ------------------------------------------------------------ allocation
 
-    def take_pages(self, k: int) -> Tensor:
-        """Remove and return the first ``k`` free pages (the caller checked capacity)."""
+    def take_pages(self, k: int, *, copy: bool = True) -> Tensor:
+        """Remove and return the first ``k`` free pages (the caller checked capacity).
+
+        ``copy=False`` returns a view of the buffer instead, for a caller that is done
+        with it before the next release (which may write there).
+        """
         if k > self._tail - self._head:
             raise OutOfMemory("take_pages", self.name, k, self._tail - self._head)
-        pages = self._buf[self._head:self._head + k].clone()  # the buffer may be rewritten by a release
+        pages = self._buf[self._head:self._head + k]
         self._head += k
-        return pages
+        return pages.clone() if copy else pages
 
     def page_slots(self, pages: Tensor) -> Tensor:
         """All slots of ``pages``, page by page."""
@@ -159,31 +177,55 @@ class PagedTokenToKVPoolAllocator:
 
     def mark_live(self, slots: Tensor) -> None:
         """Raise ``fill`` to cover newly handed-out ``slots`` (they extend a page's live prefix)."""
-        if self.page_size == 1:
+        p = self.page_size
+        if p == 1:
             self.fill.index_fill_(0, slots, 1)
         else:
-            self.fill.scatter_reduce_(0, slots // self.page_size, slots % self.page_size + 1, reduce="amax")
+            self.fill.scatter_reduce_(0, torch.div(slots, p, rounding_mode="floor"), slots.remainder(p).add_(1),
+                                      reduce="amax")
+
+    def mark_pages(self, pages: Tensor, used: int) -> None:
+        """:meth:`mark_live` for the first ``used`` slots of new ``pages``, page by page (fills known on the host)."""
+        p, k = self.page_size, pages.numel()
+        touched = min(-(-used // p), k)
+        if not touched:
+            return
+        if touched < k:  # pages taken beyond the slots handed out stay free-looking (only a broken plan does that)
+            pages = pages[:touched]
+        self.fill.index_fill_(0, pages, p)
+        last = used - (touched - 1) * p
+        if last < p:  # the last page is partly handed out
+            self.fill.index_fill_(0, pages[touched - 1:], last)
 
     def alloc_planned(self, plan: Plan, last_loc: Tensor) -> Tensor:
         """Take ``plan.num_new_pages`` pages and hand out the plan's slots (continuing ``last_loc``)."""
         return self.alloc_planned_pages(plan, last_loc)[0]
 
-    def alloc_planned_pages(self, plan: Plan, last_loc: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`alloc_planned`, also returning the pages it took: ``(slots, pages)``."""
-        pages = self.take_pages(plan.num_new_pages)
+    def alloc_planned_pages(self, plan: Plan, last_loc: Tensor, *, keep: bool = True) -> tuple[Tensor, Tensor]:
+        """:meth:`alloc_planned`, also returning the pages it took: ``(slots, pages)``.
+
+        ``pages`` is a view of the free-list buffer (use it before the next release). At
+        P == 1 the slots may be the pages themselves, so they are a copy unless the caller
+        is done with them before the next release too (``keep=False``).
+        """
+        pages = self.take_pages(plan.num_new_pages, copy=keep and self.page_size == 1)
         out = plan.slots(pages, last_loc)
-        self.mark_live(out)
+        if isinstance(plan, SinglePlan) and plan.n1 == 0:  # new pages only: their fills are known on the host
+            self.mark_pages(pages, plan.rest)
+        else:
+            self.mark_live(out)
         return out, pages
 
     def alloc(self, need_size: int) -> Tensor:
         """Bulk, page-aligned allocation: whole pages from the front, slots in page order."""
         return self.alloc_pages(need_size)[0]
 
-    def alloc_pages(self, need_size: int) -> tuple[Tensor, Tensor]:
-        """:meth:`alloc`, also returning the pages it took: ``(slots, pages)``."""
-        pages = self.take_pages(need_size // self.page_size)
+    def alloc_pages(self, need_size: int, *, keep: bool = True) -> tuple[Tensor, Tensor]:
+        """:meth:`alloc`, also returning the pages it took: ``(slots, pages)`` (``pages`` and ``keep`` as in
+        :meth:`alloc_planned_pages`)."""
+        pages = self.take_pages(need_size // self.page_size, copy=keep and self.page_size == 1)
         out = self.page_slots(pages)
-        self.mark_live(out)
+        self.mark_pages(pages, out.numel())
         return out, pages
 
     def alloc_extend(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
@@ -205,14 +247,16 @@ class PagedTokenToKVPoolAllocator:
         ``pages`` is the sorted set at P > 1 (prepended) and the slots in the given order
         at P == 1 (appended), as :meth:`free` computes them.
         """
-        self.fill.index_fill_(0, pages, 0)
         m = pages.numel()
-        self.generation += bool(m)
+        if m == 0:
+            return
+        self.fill.index_fill_(0, pages, 0)
+        self.generation += 1
         if self.page_size > 1 and m <= self._head:  # LIFO: just below the head
-            self._buf[self._head - m:self._head] = pages
+            self._buf[self._head - m:self._head].copy_(pages)
             self._head -= m
         elif self.page_size == 1 and self._tail + m <= self._buf.numel():  # FIFO: at the tail
-            self._buf[self._tail:self._tail + m] = pages
+            self._buf[self._tail:self._tail + m].copy_(pages)
             self._tail += m
         else:  # out of room (after many appends, or an over-full list): move to a fresh buffer
             both = (pages, self.free_pages) if self.page_size > 1 else (self.free_pages, pages)
@@ -227,17 +271,25 @@ class PagedTokenToKVPoolAllocator:
         fill = self.fill.index_select(0, pages)
         if self.page_size == 1:
             return pages, fill > 0
-        return self.page_slots(pages), (self._offsets < fill[:, None]).reshape(-1)
+        return self.page_slots(pages), (self._offsets < fill.unsqueeze(1)).view(-1)
 
     # ------------------------------------------------------------ validation helpers
 
     def live_mask(self, slots: Tensor) -> Tensor:
-        """True where a slot is handed out and not released (in range, not page 0, offset < fill)."""
+        """True where a slot (1-D) is handed out and not released (in range, not page 0, offset < fill)."""
         # slots below 0 clamp into page 0, slots past the pool into page num_pages + 1: both never live
-        safe = slots.clamp(0, self.end_slot)
-        if self.page_size == 1:
+        safe, p = slots.clamp(0, self.end_slot), self.page_size
+        if p == 1:
             return self.fill.index_select(0, safe) > 0
-        return safe % self.page_size < self.fill.index_select(0, safe // self.page_size)
+        return safe.remainder(p) < self.fill.index_select(0, torch.div(safe, p, rounding_mode="floor"))
+
+    def all_live(self, slots: Tensor) -> bool:
+        """Whether every slot (1-D) is live: :meth:`live_mask` reduced, one sync."""
+        safe, p = slots.clamp(0, self.end_slot), self.page_size
+        if p == 1:
+            return int(self.fill.index_select(0, safe).min()) > 0
+        spare = self.fill.index_select(0, torch.div(safe, p, rounding_mode="floor")) - safe.remainder(p)
+        return int(spare.min()) > 0  # offset < fill everywhere
 
     def check_live(self, op: str, argument: str, slots: Tensor, *, duplicates_ok: bool,
                    freed_means: str = "is not allocated") -> Tensor | None:
@@ -245,13 +297,16 @@ class PagedTokenToKVPoolAllocator:
 
         Returns the sorted distinct slots when it computed them (``duplicates_ok=False``).
         """
-        if slots.numel() == 0:
+        n = slots.numel()
+        if n == 0:
             return slots if not duplicates_ok else None
-        require(bool(self.live_mask(slots).all()), op, argument, lambda: self._explain_dead(slots, freed_means))
+        require(self.all_live(slots), op, argument, lambda: self._explain_dead(slots, freed_means))
         if duplicates_ok:
             return None
+        if n == 1:
+            return slots
         distinct: Tensor = torch.unique(slots)
-        require(distinct.numel() == slots.numel(), op, argument, lambda: _explain_repeat(slots))
+        require(distinct.numel() == n, op, argument, lambda: _explain_repeat(slots))
         return distinct
 
     def _explain_dead(self, slots: Tensor, freed_means: str) -> str:

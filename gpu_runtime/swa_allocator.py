@@ -36,8 +36,14 @@ which the pool's ``register_mapping`` follows with its own invalidation. The eng
 hooks ``forward`` / ``capture`` / ``replay`` (:mod:`.loc_cache`) carry the points
 ``forward`` and ``run_once``.
 
-Throughput: allocation and release are a fixed number of tensor ops per call (no
-per-token or per-request Python loop); errors cost a few reductions.
+Throughput: allocation and release are a fixed number of tensor ops per call, whatever
+the batch (no per-token Python loop, no Python loop over device data). Every host rule,
+page count, plan and ghost-owner decision reads the ``*_cpu`` twins as Python lists, per
+request (:mod:`._validate`, :mod:`._geometry`); host-made index vectors reach the device
+with an asynchronous copy. The ``last_loc`` rules cost one comparison and one sync (one
+more each for M5 and for distinct continued pages, only when a request continues a
+page); errors cost a few reductions. ``snapshot`` returns the previous (frozen) snapshot
+objects again when the free lists and mapping it reads are equal to theirs.
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ from typing import ClassVar
 
 import torch
 
-from kvproof.gpu_runtime._geometry import ExtendPlan, Plan, count_new_pages, decode_plan, extend_plan
+from kvproof.gpu_runtime._geometry import Plan, SinglePlan, count_new_pages, decode_plan, extend_plan, page_slots
 from kvproof.gpu_runtime._mapping import Owners, check_live_mapping
-from kvproof.gpu_runtime._validate import ExtendArgs, check_extend_args, check_swa_continuation
+from kvproof.gpu_runtime._validate import ExtendArgs, HostBatch, check_extend_args, check_swa_continuation, host_batch
 from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
@@ -101,6 +107,8 @@ class SWATokenToKVPoolAllocator:
         self.swa_attn_allocator = self.pool_class(config.size_swa, self.page_size, self.device, "swa")
         self.full_to_swa_index_mapping = self._fresh_mapping()
         self._epoch = 0  # bumped by every release; restore_state needs it unchanged
+        self._last_snapshot: AllocatorSnapshot | None = None  # the previous snapshot() and its pools' parts
+        self._last_pool_snapshots: dict[str, PoolSnapshot] = {}
         self._owners = Owners(config.num_pages_full, config.num_pages_swa, self.device)  # ghost, for M2
         # the pool exists before clear(), because clear invalidates its cache
         self._kvcache = self.kv_pool_class(config, self.device)
@@ -156,22 +164,34 @@ class SWATokenToKVPoolAllocator:
         idx = kv_indices  # the caller's tensor itself when it can index M: its address is the cache key
         if not (isinstance(idx, Tensor) and idx.device == self.device and idx.dtype in (torch.int64, torch.int32)):
             idx = torch.as_tensor(kv_indices, dtype=torch.int64, device=self.device)
-        # -1 (no prefix) or a full slot id
-        require(bool(((idx >= -1) & (idx < n)).all()), op, "loc", f"entries outside [-1, {n})")
+        # -1 (no prefix) or a full slot id: nothing moves when clamped to that range
+        require(torch.equal(idx.clamp(-1, n - 1), idx), op, "loc", lambda: f"entries outside [-1, {n})")
         return self._kvcache.translate_loc_from_full_to_swa(idx)
 
     def snapshot(self) -> AllocatorSnapshot:
         """Free lists in hand-out order and the whole mapping, in the shape every implementation reports (built
         without validation: every field is a Python int or a tuple of them by construction, and the harness takes
-        one after every step)."""
-        return AllocatorSnapshot.model_construct(
-            full=self._pool_snapshot(self.full_attn_allocator), swa=self._pool_snapshot(self.swa_attn_allocator),
-            full_to_swa_index_mapping=tuple(self.full_to_swa_index_mapping.tolist()))
+        one after every step).
 
-    @staticmethod
-    def _pool_snapshot(pool: PagedTokenToKVPoolAllocator) -> PoolSnapshot:
-        return PoolSnapshot.model_construct(page_size=pool.page_size, num_pages=pool.num_pages,
-                                            free_pages=tuple(pool.free_pages.tolist()))
+        Snapshots are frozen, so a call that reads the same free lists and mapping as the
+        previous one returns the same objects (compared by value, never assumed unchanged).
+        """
+        full, swa = self._pool_snapshot(self.full_attn_allocator), self._pool_snapshot(self.swa_attn_allocator)
+        mapping = tuple(self.full_to_swa_index_mapping.tolist())
+        last = self._last_snapshot
+        if last is None or last.full is not full or last.swa is not swa or last.full_to_swa_index_mapping != mapping:
+            last = self._last_snapshot = AllocatorSnapshot.model_construct(full=full, swa=swa,
+                                                                           full_to_swa_index_mapping=mapping)
+        return last
+
+    def _pool_snapshot(self, pool: PagedTokenToKVPoolAllocator) -> PoolSnapshot:
+        free = tuple(pool.free_pages.tolist())
+        last = self._last_pool_snapshots.get(pool.name)
+        if last is None or last.free_pages != free or (last.page_size, last.num_pages) != (pool.page_size,
+                                                                                           pool.num_pages):
+            last = PoolSnapshot.model_construct(page_size=pool.page_size, num_pages=pool.num_pages, free_pages=free)
+            self._last_pool_snapshots[pool.name] = last
+        return last
 
     # ------------------------------------------------------------ allocation
 
@@ -179,12 +199,12 @@ class SWATokenToKVPoolAllocator:
         """``need_size`` tokens in whole pages, 1:1 in both pools (kvproof allows any P, page aligned)."""
         self._invalidate_at(P.ALLOC)
         op, p, need_size = "alloc", self.page_size, int(need_size)
-        require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
+        require(need_size >= 0, op, "need_size", lambda: f"must be >= 0, got {need_size}")
         # the paged bulk alloc takes whole pages
-        require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p}")
+        require(need_size % p == 0, op, "need_size", lambda: f"{need_size} is not a multiple of page_size {p}")
         self._check_capacity(op, need_size // p, need_size // p)
         full, fpages = self.full_attn_allocator.alloc_pages(need_size)
-        swa, spages = self.swa_attn_allocator.alloc_pages(need_size)
+        swa, spages = self.swa_attn_allocator.alloc_pages(need_size, keep=False)  # only mapped, below
         self._owners.claim_pages(fpages, spages, self._owners.fresh())
         self._map(full, swa)
         return full
@@ -195,8 +215,9 @@ class SWATokenToKVPoolAllocator:
         self._invalidate_at(P.ALLOC_EXTEND)
         op, extend_num_tokens = "alloc_extend", int(extend_num_tokens)
         args = self._extend_args(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
-        check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens)
-        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args)
+        host = host_batch(args)
+        check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens, host)
+        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), self.page_size)
         return self._alloc_one_to_one(op, plan, args)
 
@@ -205,11 +226,13 @@ class SWATokenToKVPoolAllocator:
         self._invalidate_at(P.ALLOC_DECODE)
         op = "alloc_decode"
         seq, seq_cpu = as_index(seq_lens, self.device), as_index(seq_lens_cpu, torch.device("cpu"))
+        seq_l = seq_cpu.tolist()
         # the decoded token is at position s - 1
-        require(not bool((seq_cpu < 1).any()), op, "seq_lens", "must be >= 1")
+        require(all(s >= 1 for s in seq_l), op, "seq_lens", "must be >= 1")
         args = (seq - 1, seq_cpu - 1, seq, seq_cpu, as_index(last_loc, self.device))
-        check_extend_args(self.full_attn_allocator, op, args, seq_cpu.numel())
-        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args)
+        host = HostBatch([s - 1 for s in seq_l], seq_l)
+        check_extend_args(self.full_attn_allocator, op, args, len(seq_l), host)
+        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
         return self._alloc_one_to_one(op, decode_plan(seq, seq_cpu, self.page_size), args)
 
     def alloc_extend_swa_tail(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor,
@@ -221,21 +244,26 @@ class SWATokenToKVPoolAllocator:
         extend_num_tokens, swa_tail_len = int(extend_num_tokens), int(swa_tail_len)
         args = self._extend_args(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
         # upstream asserts bs == 1
-        require(args[3].numel() == 1, op, "seq_lens", f"tail allocation takes one request, got {args[3].numel()}")
-        check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens)
+        require(args[3].numel() == 1, op, "seq_lens",
+                lambda: f"tail allocation takes one request, got {args[3].numel()}")
+        host = host_batch(args)
+        check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens, host)
         require(0 <= swa_tail_len <= extend_num_tokens, op, "swa_tail_len",
-                f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
-        start = args[3].tolist()[0] - swa_tail_len
+                lambda: f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
+        start = host.seq[0] - swa_tail_len
         # U1: the tail starts on a page boundary, so SWA offsets match position offsets
-        require(start % p == 0, op, "swa_tail_len", f"tail start {start} is not a multiple of page_size {p} (U1)")
+        require(start % p == 0, op, "swa_tail_len",
+                lambda: f"tail start {start} is not a multiple of page_size {p} (U1)")
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), p)
         swa_pages = -(-swa_tail_len // p)
         self._check_capacity(op, plan.num_new_pages, swa_pages)
         owner = self._owners.of_requests(args[0], args[1], args[4], p)
         full, fpages = self.full_attn_allocator.alloc_planned_pages(plan, args[4])
-        spages = self.swa_attn_allocator.take_pages(swa_pages)
-        swa = self.swa_attn_allocator.page_slots(spages)[:swa_tail_len]
-        self.swa_attn_allocator.mark_live(swa)
+        spages = self.swa_attn_allocator.take_pages(swa_pages, copy=False)  # used below, before any release
+        swa = page_slots(spages, p)
+        if swa.numel() > swa_tail_len:  # the last SWA page is partly used
+            swa = swa[:swa_tail_len]
+        self.swa_attn_allocator.mark_pages(spages, swa.numel())
         self._owners.claim_pages(fpages, spages, owner)
         head, tail = self._split_tail(full, swa_tail_len)
         self._clear_head_mapping(head)
@@ -251,16 +279,16 @@ class SWATokenToKVPoolAllocator:
         """
         op = "set_full_to_swa_mapping"
         f, s = as_index(full_indices, self.device), as_index(swa_indices, self.device)
-        require(f.numel() == s.numel(), op, "swa_indices", f"{s.numel()} SWA slots for {f.numel()} full slots")
+        require(f.numel() == s.numel(), op, "swa_indices",
+                lambda: f"{s.numel()} SWA slots for {f.numel()} full slots")
         if f.numel() == 0:
             return
         self._invalidate_at(P.SET_FULL_TO_SWA_MAPPING)  # upstream: after the empty / length checks
         self.full_attn_allocator.check_live(op, "full_indices", f, duplicates_ok=False)
         p, top = self.page_size, self.swa_attn_allocator.end_slot
-        # M1: 0 (no SWA slot) or a real SWA slot
-        real = (s == 0) | ((s >= p) & (s < top))
-        require(bool(real.all()), op, "swa_indices",
-                lambda: f"{int(s[~real][0])} is neither 0 nor an SWA slot in [{p}, {top})")
+        # M1: 0 (no SWA slot) or a real SWA slot: clamping into [P, top) keeps a real one, the mask keeps 0
+        require(torch.equal(s.clamp(p, top - 1).mul_(s != 0), s), op, "swa_indices",
+                lambda: f"{_first_unreal(s, p, top)} is neither 0 nor an SWA slot in [{p}, {top})")
         candidate = self.full_to_swa_index_mapping.clone()
         candidate.index_copy_(0, f, s)
         try:
@@ -290,7 +318,8 @@ class SWATokenToKVPoolAllocator:
         pages = self._check_release(op, free_index)
         slots, live = self.full_attn_allocator.live_slots_of(pages)
         # a live SWA peer would be stranded (0.5.23 guard swa.peer_released)
-        require(not bool(((self.full_to_swa_index_mapping[slots] != 0) & live).any()), op, "free_index",
+        peers = self.full_to_swa_index_mapping.index_select(0, slots).mul_(live)  # M where live, else 0
+        require(not int(torch.count_nonzero(peers)), op, "free_index",
                 "a live slot still maps to an SWA slot: use free or free_swa first")
         self._release_full(pages)
 
@@ -393,20 +422,26 @@ class SWATokenToKVPoolAllocator:
         swa_last_loc = self._swa_last_loc(last_loc)  # before this call writes M (C4)
         owners = self._owners.of_requests(args[0], args[1], last_loc, self.page_size)
         full, fpages = self.full_attn_allocator.alloc_planned_pages(plan, last_loc)
-        swa, spages = self.swa_attn_allocator.alloc_planned_pages(plan, swa_last_loc)
+        swa, spages = self.swa_attn_allocator.alloc_planned_pages(plan, swa_last_loc, keep=False)  # only mapped
         self._claim(plan, owners, (full, fpages), (swa, spages))
         self._map(full, swa)
         return full
 
     def _claim(self, plan: Plan, owners: int | Tensor, full: tuple[Tensor, Tensor], swa: tuple[Tensor, Tensor]) -> None:
-        """Ghost owners of the pages a 1:1 allocation took (``(slots, pages)`` per pool)."""
+        """Ghost owners of the pages a 1:1 allocation took (``(slots, pages)`` per pool); continued ones keep theirs."""
+        fpages, spages = full[1], swa[1]
         if not isinstance(owners, Tensor) or owners.numel() == 1:  # one request: its new pages
             if plan.num_new_pages:
-                self._owners.claim_pages(full[1], swa[1], owners)
+                self._owners.claim_pages(fpages, spages, owners)
             return
-        # a batch: each slot's page gets its request's label (one slot per request when decoding)
-        per_slot = owners[plan.req] if isinstance(plan, ExtendPlan) else owners
-        self._owners.claim_slots(full[0], swa[0], per_slot, self.page_size)
+        if isinstance(plan, SinglePlan) or not (fpages.numel() or spages.numel()):
+            return
+        # a batch: each new page gets its request's label, spread on the host's page counts
+        labels = plan.per_page(owners)
+        if labels is not None and labels.numel() == fpages.numel() == spages.numel():
+            self._owners.claim_pages(fpages, spages, labels)
+        else:  # pages not as planned (a plan without host counts, or a broken one): label each new slot's page
+            self._owners.claim_slots(full[0], swa[0], plan.per_token(owners), self.page_size)
 
     def _swa_last_loc(self, last_loc: Tensor) -> Tensor:
         """The SWA side continues from ``M[last_loc]`` through the pool's loc cache (C4; -1 stays -1).
@@ -438,21 +473,29 @@ class SWATokenToKVPoolAllocator:
 
     def _touched_pages(self, idx: Tensor, distinct: Tensor | None) -> Tensor:
         """Sorted set of pages at P > 1 (from the sorted distinct slots), the slots as given at P == 1."""
-        if self.page_size == 1:
+        p = self.page_size
+        if p == 1:
             return idx
         sorted_slots = distinct if distinct is not None else torch.unique(idx)
-        pages: Tensor = torch.unique_consecutive(sorted_slots // self.page_size)
-        return pages
+        pages = torch.div(sorted_slots, p, rounding_mode="floor")
+        return pages if pages.numel() < 2 else torch.unique_consecutive(pages)
 
     def _release_swa(self, pages: Tensor) -> None:
         """Release the SWA pages of the live slots of full ``pages``; zero M on those whole pages."""
         slots, live = self.full_attn_allocator.live_slots_of(pages)
         swa_slots = self.full_to_swa_index_mapping.index_select(0, slots)
-        swa_slots = swa_slots[live & (swa_slots > 0)]  # stale entries on never-handed-out slots are ignored
+        # stale entries on never-handed-out slots are ignored
+        swa_slots = swa_slots.index_select(0, live.logical_and_(swa_slots > 0).nonzero().view(-1))
         self._zero_released_mapping(slots)
-        swa = self.swa_attn_allocator
-        swa.release_pages(torch.unique(swa_slots // self.page_size) if self.page_size > 1 else swa_slots)
-        self._epoch += bool(swa_slots.numel())
+        if not swa_slots.numel():
+            return
+        p = self.page_size
+        if p > 1:
+            swa_slots = torch.div(swa_slots, p, rounding_mode="floor")
+            if swa_slots.numel() > 1:
+                swa_slots = torch.unique(swa_slots)
+        self.swa_attn_allocator.release_pages(swa_slots)
+        self._epoch += 1
 
     def _zero_released_mapping(self, slots: Tensor) -> None:
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
@@ -469,3 +512,8 @@ class SWATokenToKVPoolAllocator:
         body = m[:-1]
         ensure(bool(((body == 0) | ((body >= p) & (body < top))).all()), "M1",
                f"entries outside {{0}} or [{p}, {top})")
+
+
+def _first_unreal(s: Tensor, p: int, top: int) -> int:
+    """The first entry of ``s`` that is neither 0 nor an SWA slot in ``[p, top)`` (error path only)."""
+    return int(s[~((s == 0) | ((s >= p) & (s < top)))][0])

@@ -133,7 +133,7 @@ class SWAKVPool:
 
     def _layer(self, op: str, layer_id: int) -> tuple[int, bool]:
         require(isinstance(layer_id, int) and layer_id in self.layers_mapping, op, "layer_id",
-                f"{layer_id} is outside [0, {len(self.layers_mapping)})")
+                lambda: f"{layer_id} is outside [0, {len(self.layers_mapping)})")
         return self.layers_mapping[layer_id]
 
     def _pool(self, is_swa: bool) -> Tensor:
@@ -142,8 +142,8 @@ class SWAKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """The layer's whole K and V buffers ``(rows, H, D)``, indexed by pool slot."""
         i, is_swa = self._layer("get_kv_buffer", layer_id)
-        buf = self._pool(is_swa)
-        return buf[i, 0], buf[i, 1]
+        k, v = self._pool(is_swa)[i].unbind(0)
+        return k, v
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         return self.get_kv_buffer(layer_id)[0]
@@ -183,7 +183,7 @@ class SWAKVPool:
 
     def _gather(self, mapping: Tensor, x: Tensor) -> Tensor:
         if self._recording is None:
-            return mapping[x]
+            return torch.take(mapping, x if x.dtype == torch.int64 else x.long())  # -1 wraps onto the sentinel
         # a capture records the gather into the output tensor the cache will hold (C3)
         out = torch.empty(x.shape, dtype=mapping.dtype, device=mapping.device)
         self._recording.launch(partial(_take, mapping, x, out), gather=True)
@@ -223,25 +223,29 @@ class SWAKVPool:
                    ) -> tuple[int, bool, Tensor, Tensor]:
         """Layer id and row shapes (reference order); returns ``(index in pool, is_swa, K, V)``."""
         i, is_swa = self._layer(op, layer_id)
-        k, v, n, width = torch.as_tensor(cache_k), torch.as_tensor(cache_v), loc.numel(), self.head_num * self.head_dim
+        k = cache_k if isinstance(cache_k, Tensor) else torch.as_tensor(cache_k)
+        v = cache_v if isinstance(cache_v, Tensor) else torch.as_tensor(cache_v)
+        n, width = loc.numel(), self.head_num * self.head_dim
         # one K and one V row per slot
         require(k.dim() >= 1 and v.dim() >= 1 and k.shape[0] == n == v.shape[0], op, "cache_k",
-                f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
+                lambda: f"{tuple(k.shape)} K and {tuple(v.shape)} V rows for {n} slots")
         # each row holds head_num * head_dim values
-        require(k.numel() == n * width == v.numel(), op, "cache_k", f"rows must hold {width} values each")
+        require(k.numel() == n * width == v.numel(), op, "cache_k", lambda: f"rows must hold {width} values each")
         # an SWA layer writes through the mapping
         require(not is_swa or self.full_to_swa_index_mapping is not None, op, "layer_id",
                 "SWA layer but no mapping registered")
         return i, is_swa, k, v
 
     def check_loc(self, op: str, loc: Tensor, argument: str = "loc") -> None:
-        """Every non-padding slot of ``loc`` is live, and none appears twice."""
-        self._slot_check(op, argument, loc[loc != 0], duplicates_ok=False)
+        """Every non-padding slot of ``loc`` (1-D) is live, and none appears twice."""
+        real = loc.nonzero()  # one sync, as a masked selection
+        self._slot_check(op, argument, loc if real.numel() == loc.numel() else loc.index_select(0, real.view(-1)),
+                         duplicates_ok=False)
 
     def check_translatable(self, op: str, loc: Tensor) -> None:
         """Entries are -1 (no prefix) or full slot ids: what a gather through M may index."""
         n = self.require_mapping(op).numel() - 1
-        require(bool(((loc >= -1) & (loc < n)).all()), op, "loc", f"entries outside [-1, {n})")
+        require(torch.equal(loc.clamp(-1, n - 1), loc), op, "loc", lambda: f"entries outside [-1, {n})")
 
     def store(self, index: int, is_swa: bool, loc: Tensor, k: Tensor, v: Tensor, *, cached: bool = True) -> None:
         """The unchecked write of one layer of a forward: one launch writes K and V.
@@ -253,7 +257,7 @@ class SWAKVPool:
         elif cached:
             dest = self.translate_loc_from_full_to_swa(loc)
         else:
-            dest = self.require_mapping("set_kv_buffer")[loc]
+            dest = self.require_mapping("set_kv_buffer").index_select(0, loc)
         self._launch(partial(_write_rows, self._pool(is_swa)[index], dest, k, v))
 
     # ------------------------------------------------------------ CPU copies (§2.8)
@@ -263,12 +267,13 @@ class SWAKVPool:
         op = "get_cpu_copy"
         idx = as_index(indices, self.device)
         self._slot_check(op, "indices", idx, duplicates_ok=True)
-        full = self.full_kv[:, :, idx].cpu()
+        full = self.full_kv.index_select(2, idx).cpu()
         if self.full_to_swa_index_mapping is None:
             return {"full": full, "swa": None, "swa_mask": None}
-        swa_slots = self.full_to_swa_index_mapping[idx]
+        swa_slots = self.full_to_swa_index_mapping.index_select(0, idx)
         mask = swa_slots > 0  # slot 0 is the padding: 0 means "no SWA KV here"
-        swa = self.swa_kv[:, :, swa_slots[mask]].cpu() if bool(mask.any()) else None
+        mapped = mask.nonzero().view(-1)
+        swa = self.swa_kv.index_select(2, swa_slots.index_select(0, mapped)).cpu() if mapped.numel() else None
         return {"full": full, "swa": swa, "swa_mask": mask.cpu()}
 
     def load_cpu_copy(self, kv_cache_cpu: Mapping[str, Tensor | None], indices: Tensor) -> None:
@@ -279,21 +284,22 @@ class SWAKVPool:
         positions = old_mask.numel() if old_mask is not None else full.shape[2]
         # position alignment: the copy and the destination cover the same positions
         require(idx.numel() == positions, op, "indices",
-                f"{idx.numel()} destination slots for a copy of {positions} positions")
+                lambda: f"{idx.numel()} destination slots for a copy of {positions} positions")
         self._check_copy_shapes(op, full, swa, old_mask, positions)
         self._slot_check(op, "indices", idx, duplicates_ok=False)
-        self.full_kv[:, :, idx] = full.to(self.device, self.dtype)
+        self.full_kv.index_copy_(2, idx, full.to(self.device, self.dtype))
         if swa is None or old_mask is None or self.full_to_swa_index_mapping is None:
             return
-        t = self.full_to_swa_index_mapping[idx]
+        t = self.full_to_swa_index_mapping.index_select(0, idx)
         rows, dest = self._swa_rows_to_load(swa.to(self.device, self.dtype), old_mask.to(self.device), t)
         if dest.numel():
-            self.swa_kv[:, :, dest] = rows
+            self.swa_kv.index_copy_(2, dest, rows)
 
     def _swa_rows_to_load(self, swa: Tensor, old_mask: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
         """Saved rows whose position is mapped now, and their SWA destinations (mask symmetry)."""
-        row_mask = (t > 0)[old_mask]  # over the saved rows: still has an SWA slot?
-        return swa[:, :, row_mask], t[old_mask][row_mask]
+        t_saved = t.index_select(0, old_mask.nonzero().view(-1))  # the saved rows' positions, now
+        keep = (t_saved > 0).nonzero().view(-1)  # row_mask = new_mask[old_mask]: still has an SWA slot?
+        return swa.index_select(2, keep), t_saved.index_select(0, keep)
 
     def _unpack_copy(self, op: str, kv: object) -> tuple[Tensor, Tensor | None, Tensor | None]:
         if not (isinstance(kv, Mapping) and isinstance(kv.get("full"), Tensor)):
@@ -307,11 +313,12 @@ class SWAKVPool:
         h, d = self.head_num, self.head_dim
         require(full.dim() == 5 and full.shape[0] == self.full_kv.shape[0], op, "kv_cache_cpu",
                 "copy has a different number of full layers")
-        require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu", f"full rows of shape {tuple(full.shape)}")
+        require(tuple(full.shape[1:]) == (2, n, h, d), op, "kv_cache_cpu",
+                lambda: f"full rows of shape {tuple(full.shape)}")
         if swa is not None and mask is not None:
             m = int(mask.sum())
             require(tuple(swa.shape) == (self.swa_kv.shape[0], 2, m, h, d), op, "kv_cache_cpu",
-                    f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
+                    lambda: f"SWA rows of shape {tuple(swa.shape)} for {m} mapped positions")
 
 
 def _write_rows(buf: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
@@ -320,8 +327,8 @@ def _write_rows(buf: Tensor, dest: Tensor, k: Tensor, v: Tensor) -> None:
     Reads ``k`` / ``v`` when it runs: a recorded write replays from the static tensors' current contents.
     """
     shape = (dest.numel(), buf.shape[2], buf.shape[3])
-    buf[0, dest] = k.reshape(shape).to(buf.device, buf.dtype)
-    buf[1, dest] = v.reshape(shape).to(buf.device, buf.dtype)
+    rows = torch.stack((k.reshape(shape).to(buf.device, buf.dtype), v.reshape(shape).to(buf.device, buf.dtype)))
+    buf.index_copy_(1, dest.reshape(-1), rows)
 
 
 def _take(mapping: Tensor, x: Tensor, out: Tensor) -> None:

@@ -38,17 +38,18 @@ def extend_parts(prefix_len: int, seq_len: int, page_size: int) -> tuple[int, in
     ``n1`` tokens continue the partially filled last page, ``n2`` tokens fill whole
     new pages, ``n3`` tokens start the last new page. ``n1 + n2 + n3 == seq - prefix``.
     """
-    n1 = min(seq_len, ceil_p(prefix_len, page_size)) - prefix_len
+    # ceil_p / floor_p written out: the reference calls this for every request it extends
+    ceil_prefix = -(-prefix_len // page_size) * page_size
+    n1 = min(seq_len, ceil_prefix) - prefix_len
     if prefix_len + n1 == seq_len:
         return n1, 0, 0
-    n2 = floor_p(seq_len, page_size) - ceil_p(prefix_len, page_size)
-    n3 = seq_len - floor_p(seq_len, page_size)
-    return n1, n2, n3
+    floor_seq = (seq_len // page_size) * page_size
+    return n1, floor_seq - ceil_prefix, seq_len - floor_seq
 
 
 def num_new_pages(prefix_len: int, seq_len: int, page_size: int) -> int:
     """Pages one request's extend takes from the free list: ``ceil(s/P) - ceil(p/P)`` (§1.3)."""
-    return ceil_div(seq_len, page_size) - ceil_div(prefix_len, page_size)
+    return -(-seq_len // page_size) + (-prefix_len // page_size)  # ceil_div(s, P) - ceil_div(p, P)
 
 
 def decode_opens_page(seq_len: int, page_size: int) -> bool:

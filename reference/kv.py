@@ -14,17 +14,24 @@ an earlier owner left there, which depends on the implementation's page choice
 (``set_full_to_swa_mapping``) points a live slot at a slot its owner never wrote
 (issue 11, observation 1). Writes to the padding slot 0 (an SWA write through an
 unmapped full slot, §1.4) are dropped for the same reason.
+
+:func:`empty_store` validates; the operations build their results with
+:func:`trusted_store`, without re-validation, and rebuild only the layers they change
+(forgetting rows that are already undefined changes nothing and returns the store).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import is_not
 
 from pydantic import BaseModel, ConfigDict
 
 from kvproof.reference.config import PoolConfig
+from kvproof.reference.paged import trusted
 
-__all__ = ["KVStore", "Row", "empty_store", "forget_rows", "read_rows", "write_rows"]
+__all__ = ["KVStore", "Row", "any_defined", "empty_store", "forget_rows", "read_rows", "trusted_store", "write_rows"]
 
 Row = tuple[float, ...]
 
@@ -37,6 +44,11 @@ class KVStore(BaseModel):
     layers: tuple[tuple[Row | None, ...], ...]
 
 
+def trusted_store(layers: tuple[tuple[Row | None, ...], ...]) -> KVStore:
+    """A store derived from valid ones (as ``KVStore(layers=...)`` would build it)."""
+    return trusted(KVStore, {"layers": layers}, {"layers"})
+
+
 def empty_store(config: PoolConfig) -> KVStore:
     rows = []
     for layer_id in range(config.kv.num_layers):
@@ -45,30 +57,47 @@ def empty_store(config: PoolConfig) -> KVStore:
     return KVStore(layers=tuple(rows))
 
 
-def write_rows(store: KVStore, layer_id: int, slots: Sequence[int], rows: Sequence[Row | None]) -> KVStore:
-    """Write ``rows[i]`` at ``slots[i]`` of one layer; writes to slot 0 are dropped."""
-    layer = list(store.layers[layer_id])
-    for slot, row in zip(slots, rows, strict=True):
-        if slot > 0:
-            layer[slot] = row
+def write_rows(store: KVStore, *writes: tuple[int, Sequence[int], Sequence[Row | None]]) -> KVStore:
+    """For each ``(layer_id, slots, rows)``, write ``rows[i]`` at ``slots[i]`` of that layer; writes to slot 0
+    are dropped."""
     layers = list(store.layers)
-    layers[layer_id] = tuple(layer)
-    return store.model_copy(update={"layers": tuple(layers)})
-
-
-def forget_rows(store: KVStore, layer_ids: Iterable[int], slots: Sequence[int]) -> KVStore:
-    """Mark the rows at ``slots`` undefined in each of ``layer_ids`` (slots just handed out)."""
-    if not slots:
-        return store
-    layers = list(store.layers)
-    for layer_id in layer_ids:
+    for layer_id, slots, rows in writes:
         layer = list(layers[layer_id])
-        for slot in slots:
-            layer[slot] = None
+        for slot, row in zip(slots, rows, strict=True):
+            if slot > 0:
+                layer[slot] = row
         layers[layer_id] = tuple(layer)
-    return store.model_copy(update={"layers": tuple(layers)})
+    return trusted_store(tuple(layers))
+
+
+def forget_rows(store: KVStore, *groups: tuple[Iterable[int], Sequence[int]]) -> KVStore:
+    """For each ``(layer_ids, slots)`` group, mark the rows at ``slots`` undefined in every layer of ``layer_ids``.
+
+    Returns ``store`` itself when all of those rows already are undefined (the common
+    case for slots just handed out: their page's rows were forgotten when it was released).
+    """
+    layers: list[tuple[Row | None, ...]] | None = None
+    for layer_ids, slots in groups:
+        if not slots:
+            continue
+        for layer_id in layer_ids:
+            current = store.layers[layer_id] if layers is None else layers[layer_id]
+            if not any(map(is_not, map(current.__getitem__, slots), repeat(None))):
+                continue  # nothing defined there
+            layer = list(current)
+            for slot in slots:
+                layer[slot] = None
+            if layers is None:
+                layers = list(store.layers)
+            layers[layer_id] = tuple(layer)
+    return store if layers is None else trusted_store(tuple(layers))
 
 
 def read_rows(store: KVStore, layer_id: int, slots: Sequence[int]) -> tuple[Row | None, ...]:
+    return tuple(map(store.layers[layer_id].__getitem__, slots))
+
+
+def any_defined(store: KVStore, layer_id: int) -> bool:
+    """Some row of the layer is defined (a check of every live row can skip a layer nobody wrote)."""
     layer = store.layers[layer_id]
-    return tuple(layer[s] for s in slots)
+    return layer.count(None) != len(layer)

@@ -12,15 +12,20 @@ Models ``PagedTokenToKVPoolAllocator`` (P > 1) and ``TokenToKVPoolAllocator``
   implementation declares ``Capability.EXACT_PAGE_ORDER``.
 * ``owner`` is ghost state (the real allocator has none): who holds each page, so
   that G3 (owners and free pages partition the pool) can be checked.
+
+:func:`initial_pool` validates; the operations derive new pools from valid ones and
+build them with :func:`trusted_pool`, without re-validation (the lockstep harness runs them
+thousands of times per second).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Owner", "PagedPool", "initial_pool", "release_pages", "take_pages"]
+__all__ = ["Owner", "PagedPool", "initial_pool", "release_pages", "take_pages", "trusted", "trusted_pool"]
 
 #: Ghost owner label of a page: the id of the request holding it.
 Owner = int
@@ -49,6 +54,35 @@ class PagedPool(BaseModel):
         return 1 <= page <= self.num_pages and self.owner[page] is not None
 
 
+_Model = TypeVar("_Model", bound=BaseModel)
+# BaseModel's instance slots, set directly (as pydantic's model_construct does, through object.__setattr__)
+_set_dict, _set_fields_set, _set_extra, _set_private = (
+    BaseModel.__dict__[slot].__set__
+    for slot in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__"))
+
+
+def trusted(cls: type[_Model], values: dict[str, Any], fields_set: set[str]) -> _Model:
+    """``cls`` over ``values`` without validation, for values correct by construction.
+
+    The object ``model_construct`` / ``model_copy`` would build (``values`` holds every field,
+    in declaration order; ``fields_set`` becomes ``model_fields_set``), without their
+    per-call overhead. The reference's operations build every derived value with it.
+    """
+    model = object.__new__(cls)
+    _set_dict(model, values)
+    _set_fields_set(model, fields_set)
+    _set_extra(model, None)
+    _set_private(model, None)
+    return model
+
+
+def trusted_pool(page_size: int, num_pages: int, free_pages: tuple[int, ...],
+                 owner: tuple[Owner | None, ...]) -> PagedPool:
+    """A pool derived from valid ones (every field set, as ``PagedPool(...)`` would)."""
+    return trusted(PagedPool, {"page_size": page_size, "num_pages": num_pages, "free_pages": free_pages,
+                               "owner": owner}, {"page_size", "num_pages", "free_pages", "owner"})
+
+
 def initial_pool(num_pages: int, page_size: int) -> PagedPool:
     """State after ``clear()``: pages ``1..num_pages`` free in ascending order."""
     return PagedPool(
@@ -69,7 +103,7 @@ def take_pages(pool: PagedPool, owners: Sequence[Owner]) -> tuple[PagedPool, tup
     owner = list(pool.owner)
     for page, who in zip(pages, owners, strict=True):
         owner[page] = who
-    return pool.model_copy(update={"free_pages": pool.free_pages[k:], "owner": tuple(owner)}), pages
+    return trusted_pool(pool.page_size, pool.num_pages, pool.free_pages[k:], tuple(owner)), pages
 
 
 def release_pages(pool: PagedPool, pages: Iterable[int]) -> PagedPool:
@@ -83,4 +117,4 @@ def release_pages(pool: PagedPool, pages: Iterable[int]) -> PagedPool:
     owner = list(pool.owner)
     for page in pages:
         owner[page] = None
-    return pool.model_copy(update={"free_pages": free, "owner": tuple(owner)})
+    return trusted_pool(pool.page_size, pool.num_pages, free, tuple(owner))

@@ -41,19 +41,42 @@ Where kvproof deliberately differs from SGLang 0.5.23, the code says
   stale entries on never-handed-out slots are ignored.
 
 ``need_sort`` (sorted release lists) and free groups are not modelled.
+
+Cost
+----
+The lockstep harness calls these operations thousands of times per second on tiny
+pools (and checks the invariants after each), so each one validates its arguments
+first and then builds its result once:
+
+* :func:`initial_state` validates (``SWAAllocatorState(...)``) and is memoised per
+  config object; every other state, pool, KV store, backup and CPU copy is derived
+  from valid values and built without re-validation (:func:`~kvproof.reference.paged.trusted`,
+  :func:`_replace`), as ``model_copy`` would build it: same fields in the same order,
+  same ``model_fields_set``, so ``==``, hashing, ``repr`` and ``model_dump`` agree.
+* an operation builds one new state (not one ``model_copy`` per step of its work);
+  the KV store is rebuilt only where a row changes.
+* checks raise :class:`InvalidOperation` directly (``if ...: raise``, what ``require``
+  does), so no message is formatted unless the check fails; a per-slot check tests all
+  its rules in one expression and spells them out one by one only for the slot that
+  breaks one, which names the same rule with the same message, in the same order.
+* :func:`check_live_mapping` first tests the page-aligned shape allocations build
+  (:func:`_live_mapping_holds`); only another shape goes slot by slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress, repeat
+from operator import is_not, lt
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from kvproof.reference.arith import ceil_div, extend_parts, num_new_pages
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
-from kvproof.reference.kv import KVStore, Row, empty_store, forget_rows, read_rows, write_rows
-from kvproof.reference.paged import Owner, PagedPool, initial_pool, release_pages, take_pages
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure
+from kvproof.reference.kv import KVStore, Row, any_defined, empty_store, forget_rows, read_rows, write_rows
+from kvproof.reference.paged import Owner, PagedPool, initial_pool, release_pages, take_pages, trusted, trusted_pool
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [
@@ -129,12 +152,28 @@ class KVCpuCopy(BaseModel):
     swa_mask: tuple[bool, ...]
 
 
+def _replace(state: SWAAllocatorState, **changes: Any) -> SWAAllocatorState:
+    """``state.model_copy(update=changes)``: the changed fields are marked as set, as there."""
+    return trusted(SWAAllocatorState, {**state.__dict__, **changes}, state.__pydantic_fields_set__ | changes.keys())
+
+
 # ---------------------------------------------------------------- construction / queries
+
+#: ``initial_state`` per config object (``id`` -> state, whose ``config`` keeps the id taken), oldest first.
+_INITIAL: dict[int, SWAAllocatorState] = {}
+_INITIAL_MAX = 64
 
 
 def initial_state(config: PoolConfig) -> SWAAllocatorState:
-    """The allocator right after construction (``clear()``): all pages free, M all 0 but the sentinel."""
-    return SWAAllocatorState(
+    """The allocator right after construction (``clear()``): all pages free, M all 0 but the sentinel.
+
+    Validated on the first call for ``config``; later calls with the same (frozen) config
+    return that same frozen value.
+    """
+    state = _INITIAL.get(id(config))
+    if state is not None and state.config is config:
+        return state
+    state = SWAAllocatorState(
         config=config,
         full=initial_pool(config.num_pages_full, config.page_size),
         swa=initial_pool(config.num_pages_swa, config.page_size),
@@ -142,6 +181,10 @@ def initial_state(config: PoolConfig) -> SWAAllocatorState:
         kv=empty_store(config),
         fill=(0,) * (config.num_pages_full + 1),
     )
+    if len(_INITIAL) >= _INITIAL_MAX:
+        _INITIAL.pop(next(iter(_INITIAL)), None)
+    _INITIAL[id(config)] = state
+    return state
 
 
 def available_size(state: SWAAllocatorState) -> int:
@@ -169,8 +212,9 @@ def translate_loc_from_full_to_swa(state: SWAAllocatorState, loc: Sequence[int])
     op, n = "translate_loc_from_full_to_swa", len(state.full_to_swa_index_mapping) - 1
     for f in loc:
         # -1 (no prefix) or a full slot id
-        require(-1 <= f < n, op, "loc", f"{f} is outside [-1, {n})")
-    return tuple(state.full_to_swa_index_mapping[f] for f in loc)
+        if not -1 <= f < n:
+            raise InvalidOperation(op, "loc", f"{f} is outside [-1, {n})")
+    return tuple(map(state.full_to_swa_index_mapping.__getitem__, loc))
 
 
 def snapshot(state: SWAAllocatorState) -> AllocatorSnapshot:
@@ -195,9 +239,11 @@ def alloc(state: SWAAllocatorState, need_size: int, *, owner: Owner | None = Non
     as long as ``need_size`` is page aligned (the paged ``alloc`` contract).
     """
     op, p = "alloc", state.config.page_size
-    require(need_size >= 0, op, "need_size", f"must be >= 0, got {need_size}")
+    if need_size < 0:
+        raise InvalidOperation(op, "need_size", f"must be >= 0, got {need_size}")
     # the paged bulk alloc takes whole pages
-    require(need_size % p == 0, op, "need_size", f"{need_size} is not a multiple of page_size {p}")
+    if need_size % p:
+        raise InvalidOperation(op, "need_size", f"{need_size} is not a multiple of page_size {p}")
     k = need_size // p
     _check_capacity(state, op, k, k)
     who, next_owner = (owner, state.next_owner) if owner is not None else (state.next_owner, state.next_owner + 1)
@@ -205,8 +251,7 @@ def alloc(state: SWAAllocatorState, need_size: int, *, owner: Owner | None = Non
     swa, spages = take_pages(state.swa, [who] * k)
     fslots = tuple(g * p + o for g in fpages for o in range(p))
     sslots = tuple(h * p + o for h in spages for o in range(p))
-    state = state.model_copy(update={"full": full, "swa": swa, "next_owner": next_owner})
-    return _hand_out(state, fslots, sslots, fslots), fslots
+    return _hand_out(state, full, swa, next_owner, fslots, sslots, fslots), fslots
 
 
 def alloc_extend(state: SWAAllocatorState, prefix_lens: Sequence[int], seq_lens: Sequence[int],
@@ -223,8 +268,7 @@ def alloc_extend(state: SWAAllocatorState, prefix_lens: Sequence[int], seq_lens:
     _check_extend_args(state, op, prefix_lens, seq_lens, last_loc, extend_num_tokens)
     _check_swa_continuation(state, op, prefix_lens, seq_lens, last_loc)
     owners, next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
-    return _extend_one_to_one(state.model_copy(update={"next_owner": next_owner}), op,
-                              prefix_lens, seq_lens, last_loc, owners)
+    return _extend_one_to_one(state, op, prefix_lens, seq_lens, last_loc, owners, next_owner)
 
 
 def alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int], last_loc: Sequence[int], *,
@@ -237,13 +281,13 @@ def alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int], last_loc: Se
     op = "alloc_decode"
     for s in seq_lens:
         # the decoded token is at position s - 1
-        require(s >= 1, op, "seq_lens", f"must be >= 1, got {s}")
+        if s < 1:
+            raise InvalidOperation(op, "seq_lens", f"must be >= 1, got {s}")
     prefix_lens = tuple(s - 1 for s in seq_lens)
     _check_extend_args(state, op, prefix_lens, seq_lens, last_loc, len(seq_lens))
     _check_swa_continuation(state, op, prefix_lens, seq_lens, last_loc)
     owners, next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
-    return _extend_one_to_one(state.model_copy(update={"next_owner": next_owner}), op,
-                              prefix_lens, seq_lens, last_loc, owners)
+    return _extend_one_to_one(state, op, prefix_lens, seq_lens, last_loc, owners, next_owner)
 
 
 def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], seq_lens: Sequence[int],
@@ -257,14 +301,17 @@ def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], 
     """
     op = "alloc_extend_swa_tail"
     # upstream asserts bs == 1
-    require(len(seq_lens) == 1, op, "seq_lens", f"tail allocation takes one request, got {len(seq_lens)}")
+    if len(seq_lens) != 1:
+        raise InvalidOperation(op, "seq_lens", f"tail allocation takes one request, got {len(seq_lens)}")
     _check_extend_args(state, op, prefix_lens, seq_lens, last_loc, extend_num_tokens)
     p, (s,) = state.config.page_size, seq_lens
-    require(0 <= swa_tail_len <= extend_num_tokens, op, "swa_tail_len",
-            f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
+    if not 0 <= swa_tail_len <= extend_num_tokens:
+        raise InvalidOperation(op, "swa_tail_len",
+                               f"{swa_tail_len} is outside [0, extend_num_tokens={extend_num_tokens}]")
     # U1: the tail starts on a page boundary, so SWA offsets match position offsets
-    require((s - swa_tail_len) % p == 0, op, "swa_tail_len",
-            f"tail start seq_len - swa_tail_len = {s - swa_tail_len} is not a multiple of page_size {p} (U1)")
+    if (s - swa_tail_len) % p:
+        raise InvalidOperation(op, "swa_tail_len", f"tail start seq_len - swa_tail_len = {s - swa_tail_len} is not a "
+                                                   f"multiple of page_size {p} (U1)")
     (who,), next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
     kf, ks = num_new_pages(prefix_lens[0], s, p), ceil_div(swa_tail_len, p)
     _check_capacity(state, op, kf, ks)
@@ -273,9 +320,7 @@ def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], 
     fslots = tuple(_extend_slots(prefix_lens[0], s, last_loc[0], fpages, p))
     sslots = tuple(_extend_slots(0, swa_tail_len, -1, spages, p))
     n_head = len(fslots) - swa_tail_len
-    state = state.model_copy(update={"full": full, "swa": swa, "next_owner": next_owner})
-    state = _set_mapping(state, fslots[:n_head], (0,) * n_head)
-    return _hand_out(state, fslots[n_head:], sslots, fslots), fslots
+    return _hand_out(state, full, swa, next_owner, fslots[n_head:], sslots, fslots, unmapped=fslots[:n_head]), fslots
 
 
 # ---------------------------------------------------------------- release
@@ -287,10 +332,8 @@ def free(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorSta
     Not idempotent: a second ``free`` of the same slots is a double free. Slots whose
     SWA side is already released are accepted (their M is 0).
     """
-    op = "free"
-    _check_release_args(state, op, free_index)
-    state = _release_swa(state, free_index)
-    return _release_full(state, free_index)
+    _check_release_args(state, "free", free_index)
+    return _release(state, free_index, swa=True, full=True)
 
 
 def free_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
@@ -300,31 +343,35 @@ def free_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocato
     second call finds M == 0 and releases nothing.
     """
     _check_release_args(state, "free_swa", free_index)
-    return _release_swa(state, free_index)
+    return _release(state, free_index, swa=True, full=False)
 
 
 def free_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
     """Release full pages whose SWA side the caller already released (0.5.23 ``free_full``)."""
-    op, p, mapping = "free_full", state.config.page_size, state.full_to_swa_index_mapping
+    op, p, mapping, fill = "free_full", state.config.page_size, state.full_to_swa_index_mapping, state.fill
     _check_release_args(state, op, free_index)
     for g in sorted({f // p for f in free_index}):
-        for f in range(g * p, g * p + state.fill[g]):
+        if not any(mapping[g * p:g * p + fill[g]]):
+            continue  # no live slot of the page is mapped
+        for f in range(g * p, g * p + fill[g]):
             # a live SWA peer would be stranded (0.5.23 guard swa.peer_released)
-            require(mapping[f] == 0, op, "free_index",
-                    f"slot {f} (page {g}) still maps to SWA slot {mapping[f]}: use free or free_swa first")
-    return _release_full(state, free_index)
+            if mapping[f] != 0:
+                raise InvalidOperation(op, "free_index", f"slot {f} (page {g}) still maps to SWA slot {mapping[f]}: "
+                                                         "use free or free_swa first")
+    return _release(state, free_index, swa=False, full=True)
 
 
 def clear(state: SWAAllocatorState) -> SWAAllocatorState:
     """Back to the initial pools and mapping (keeps the sentinel); every KV row becomes undefined."""
     fresh = initial_state(state.config)
-    return fresh.model_copy(update={"epoch": state.epoch + 1, "next_owner": state.next_owner})
+    return _replace(fresh, epoch=state.epoch + 1, next_owner=state.next_owner)
 
 
 def backup_state(state: SWAAllocatorState) -> AllocatorBackup:
     """Capture both free lists (0.5.12.post1 semantics; the mapping is NOT captured, R3)."""
-    return AllocatorBackup(full_free_pages=state.full.free_pages, swa_free_pages=state.swa.free_pages,
-                           fill=state.fill, epoch=state.epoch)
+    return trusted(AllocatorBackup, {"full_free_pages": state.full.free_pages, "swa_free_pages": state.swa.free_pages,
+                                      "fill": state.fill, "epoch": state.epoch},
+                    {"full_free_pages", "swa_free_pages", "fill", "epoch"})
 
 
 def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAllocatorState:
@@ -335,17 +382,18 @@ def restore_state(state: SWAAllocatorState, backup: AllocatorBackup) -> SWAAlloc
     """
     op = "restore_state"
     # only allocations may happen between backup_state and restore_state
-    require(backup.epoch == state.epoch, op, "state",
-            f"pages were released since backup_state (epoch {backup.epoch} -> {state.epoch})")
-    require(len(backup.fill) == len(state.fill), op, "state", "backup comes from a pool of another size")
+    if backup.epoch != state.epoch:
+        raise InvalidOperation(op, "state", f"pages were released since backup_state (epoch {backup.epoch} -> "
+                                            f"{state.epoch})")
+    if len(backup.fill) != len(state.fill):
+        raise InvalidOperation(op, "state", "backup comes from a pool of another size")
     full = _roll_back(state.full, backup.full_free_pages)
     swa = _roll_back(state.swa, backup.swa_free_pages)
     # the pages the roll-back releases lose their rows, as on any release
-    kv = _forget_pages(state, state.kv, "full", _newly_free(state.full, full))
-    kv = _forget_pages(state, kv, "swa", _newly_free(state.swa, swa))
+    kv = forget_rows(state.kv, _page_rows(state, "full", _newly_free(state.full, full)),
+                     _page_rows(state, "swa", _newly_free(state.swa, swa)))
     # a restore releases pages too: any other backup is stale from now on
-    return state.model_copy(update={"full": full, "swa": swa, "fill": backup.fill, "kv": kv,
-                                    "epoch": state.epoch + 1})
+    return _replace(state, full=full, swa=swa, fill=backup.fill, kv=kv, epoch=state.epoch + 1)
 
 
 def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int],
@@ -357,21 +405,23 @@ def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int
     cannot undo a remap (it never restores M): a backup taken before one is stale.
     """
     op = "set_full_to_swa_mapping"
-    require(len(full_indices) == len(swa_indices), op, "swa_indices",
-            f"{len(swa_indices)} SWA slots for {len(full_indices)} full slots")
+    if len(full_indices) != len(swa_indices):
+        raise InvalidOperation(op, "swa_indices", f"{len(swa_indices)} SWA slots for {len(full_indices)} full slots")
     if not full_indices:
         return state
     _check_live(state, op, "full_indices", full_indices, duplicates_ok=False)
     p, top = state.config.page_size, (state.config.num_pages_swa + 1) * state.config.page_size
     for s in swa_indices:
         # M1: 0 (no SWA slot) or a real SWA slot
-        require(s == 0 or p <= s < top, op, "swa_indices", f"{s} is neither 0 nor an SWA slot in [{p}, {top})")
-    new = _set_mapping(state, full_indices, swa_indices)
+        if not (s == 0 or p <= s < top):
+            raise InvalidOperation(op, "swa_indices", f"{s} is neither 0 nor an SWA slot in [{p}, {top})")
+    new = _replace(state, full_to_swa_index_mapping=_with(state.full_to_swa_index_mapping, full_indices, swa_indices),
+                   epoch=state.epoch + 1)
     try:
         check_live_mapping(new)
     except InvariantViolation as err:
         raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
-    return new.model_copy(update={"epoch": new.epoch + 1})
+    return new
 
 
 # ---------------------------------------------------------------- KV rows and CPU copies
@@ -389,26 +439,34 @@ def set_kv_buffer(state: SWAAllocatorState, layer_id: int, loc: Sequence[int],
     the padding slot and is lost.
     """
     op, geo = "set_kv_buffer", state.config.kv
-    require(0 <= layer_id < geo.num_layers, op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
-    require(len(cache_k) == len(loc) == len(cache_v), op, "cache_k",
-            f"{len(cache_k)} K rows and {len(cache_v)} V rows for {len(loc)} slots")
-    for row in (*cache_k, *cache_v):
-        require(len(row) == geo.row_width, op, "cache_k", f"row of {len(row)} values, expected {geo.row_width}")
+    if not 0 <= layer_id < geo.num_layers:
+        raise InvalidOperation(op, "layer_id", f"{layer_id} is outside [0, {geo.num_layers})")
+    if not len(cache_k) == len(loc) == len(cache_v):
+        raise InvalidOperation(op, "cache_k", f"{len(cache_k)} K rows and {len(cache_v)} V rows for {len(loc)} slots")
+    width = geo.row_width
+    if not {*map(len, cache_k), *map(len, cache_v)} <= {width}:  # some row has another width: name the first
+        bad = next(row for row in (*cache_k, *cache_v) if len(row) != width)
+        raise InvalidOperation(op, "cache_k", f"row of {len(bad)} values, expected {width}")
     # live slots, or 0 for padding tokens (CUDA-graph padding writes into the reserved slot by design, §1.4)
     _check_live(state, op, "loc", [f for f in loc if f != 0], duplicates_ok=False)
-    if swa_loc is not None:
-        require(len(swa_loc) == len(loc), op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
-    if not geo.is_swa_layer(layer_id):
+    if swa_loc is not None and len(swa_loc) != len(loc):
+        raise InvalidOperation(op, "swa_loc", f"{len(swa_loc)} SWA slots for {len(loc)} slots")
+    if layer_id not in geo.swa_attention_layer_ids:
         dest = tuple(loc)
     else:
-        dest = tuple(swa_loc) if swa_loc is not None else tuple(state.full_to_swa_index_mapping[f] for f in loc)
-    rows = [tuple(float(x) for x in k) + tuple(float(x) for x in v) for k, v in zip(cache_k, cache_v, strict=True)]
-    return state.model_copy(update={"kv": write_rows(state.kv, layer_id, dest, rows)})
+        dest = tuple(swa_loc) if swa_loc is not None else tuple(map(state.full_to_swa_index_mapping.__getitem__, loc))
+    rows = [(*map(float, k), *map(float, v)) for k, v in zip(cache_k, cache_v, strict=True)]
+    return _replace(state, kv=write_rows(state.kv, (layer_id, dest, rows)))
 
 
 def kv_rows(state: SWAAllocatorState, layer_id: int, slots: Sequence[int]) -> tuple[Row | None, ...]:
     """Rows of one layer at pool slots (SWA slots for SWA layers); ``None`` = undefined."""
     return read_rows(state.kv, layer_id, slots)
+
+
+def kv_written(state: SWAAllocatorState, layer_id: int) -> bool:
+    """Some row of the layer is defined (a comparison of every live row may skip a layer where none is)."""
+    return any_defined(state.kv, layer_id)
 
 
 def get_cpu_copy(state: SWAAllocatorState, indices: Sequence[int]) -> KVCpuCopy:
@@ -418,12 +476,12 @@ def get_cpu_copy(state: SWAAllocatorState, indices: Sequence[int]) -> KVCpuCopy:
     """
     op, geo = "get_cpu_copy", state.config.kv
     _check_live(state, op, "indices", indices, duplicates_ok=True)
-    swa_slots = tuple(state.full_to_swa_index_mapping[f] for f in indices)
+    swa_slots = tuple(map(state.full_to_swa_index_mapping.__getitem__, indices))
     mask = tuple(s > 0 for s in swa_slots)
     full = tuple(read_rows(state.kv, layer, indices) for layer in geo.full_attention_layer_ids)
     mapped = [s for s in swa_slots if s > 0]
     swa = tuple(read_rows(state.kv, layer, mapped) for layer in geo.swa_attention_layer_ids) if mapped else None
-    return KVCpuCopy(full=full, swa=swa, swa_mask=mask)
+    return trusted(KVCpuCopy, {"full": full, "swa": swa, "swa_mask": mask}, {"full", "swa", "swa_mask"})
 
 
 def load_cpu_copy(state: SWAAllocatorState, kv_cpu: KVCpuCopy, indices: Sequence[int]) -> SWAAllocatorState:
@@ -435,22 +493,22 @@ def load_cpu_copy(state: SWAAllocatorState, kv_cpu: KVCpuCopy, indices: Sequence
     """
     op, geo = "load_cpu_copy", state.config.kv
     # position alignment: the copy and the destination cover the same positions
-    require(len(indices) == len(kv_cpu.swa_mask), op, "indices",
-            f"{len(indices)} destination slots for a copy of {len(kv_cpu.swa_mask)} positions")
-    require(len(kv_cpu.full) == len(geo.full_attention_layer_ids), op, "kv_cache_cpu",
-            "copy has a different number of full layers")
+    if len(indices) != len(kv_cpu.swa_mask):
+        raise InvalidOperation(op, "indices",
+                               f"{len(indices)} destination slots for a copy of {len(kv_cpu.swa_mask)} positions")
+    if len(kv_cpu.full) != len(geo.full_attention_layer_ids):
+        raise InvalidOperation(op, "kv_cache_cpu", "copy has a different number of full layers")
     _check_live(state, op, "indices", indices, duplicates_ok=False)
-    kv = state.kv
-    for layer, rows in zip(geo.full_attention_layer_ids, kv_cpu.full, strict=True):
-        kv = write_rows(kv, layer, indices, rows)
+    writes: list[tuple[int, Sequence[int], Sequence[Row | None]]] = [
+        (layer, indices, rows) for layer, rows in zip(geo.full_attention_layer_ids, kv_cpu.full, strict=True)]
     if kv_cpu.swa is not None:
-        new = tuple(state.full_to_swa_index_mapping[f] for f in indices)
+        new = tuple(map(state.full_to_swa_index_mapping.__getitem__, indices))
         old_mapped = [j for j, m in enumerate(kv_cpu.swa_mask) if m]
         keep = [k for k, j in enumerate(old_mapped) if new[j] > 0]  # row_mask = new_mask[old_mask]
         dest = [new[old_mapped[k]] for k in keep]
-        for layer, rows in zip(geo.swa_attention_layer_ids, kv_cpu.swa, strict=True):
-            kv = write_rows(kv, layer, dest, [rows[k] for k in keep])
-    return state.model_copy(update={"kv": kv})
+        writes += [(layer, dest, [rows[k] for k in keep])
+                   for layer, rows in zip(geo.swa_attention_layer_ids, kv_cpu.swa, strict=True)]
+    return _replace(state, kv=write_rows(state.kv, *writes))
 
 
 # ---------------------------------------------------------------- internals
@@ -463,19 +521,37 @@ def _check_capacity(state: SWAAllocatorState, op: str, full_pages: int, swa_page
         raise OutOfMemory(op, "swa", swa_pages, len(state.swa.free_pages))
 
 
-def _check_live(state: SWAAllocatorState, op: str, arg: str, slots: Sequence[int], *, duplicates_ok: bool,
+def _check_live(state: SWAAllocatorState, op: str, arg: str, slots: Iterable[int], *, duplicates_ok: bool,
                 freed_means: str = "is not allocated") -> None:
     """Each slot is a handed-out full slot: in range, not in page 0, page allocated, offset live."""
-    p, end = state.config.page_size, (state.config.num_pages_full + 1) * state.config.page_size
-    seen: set[int] = set()
+    cfg, fill, full = state.config, state.fill, state.full
+    p = cfg.page_size
+    live_end, owner, seen = (min(cfg.size_full // p, full.num_pages) + 1) * p, full.owner, set()  # _live_end
     for f in slots:
-        require(0 <= f < end, op, arg, f"slot {f} is outside the full pool [0, {end})")
-        require(f >= p, op, arg, f"slot {f} lies in the reserved page 0")
-        require(state.full.is_allocated(f // p), op, arg, f"slot {f} is in page {f // p}, which {freed_means}")
-        require(f % p < state.fill[f // p], op, arg,
-                f"slot {f} was never handed out (page {f // p} has {state.fill[f // p]} live slots)")
-        require(duplicates_ok or f not in seen, op, arg, f"slot {f} appears twice")
+        # all rules at once; a slot that breaks one is checked rule by rule, for the message
+        if (p <= f < live_end and owner[f // p] is not None and f % p < fill[f // p]
+                and (duplicates_ok or f not in seen)):
+            seen.add(f)
+            continue
+        end = (cfg.num_pages_full + 1) * p
+        if not 0 <= f < end:
+            raise InvalidOperation(op, arg, f"slot {f} is outside the full pool [0, {end})")
+        if f < p:
+            raise InvalidOperation(op, arg, f"slot {f} lies in the reserved page 0")
+        if not full.is_allocated(f // p):
+            raise InvalidOperation(op, arg, f"slot {f} is in page {f // p}, which {freed_means}")
+        if not f % p < fill[f // p]:
+            raise InvalidOperation(op, arg, f"slot {f} was never handed out (page {f // p} has {fill[f // p]} live "
+                                            "slots)")
+        if not duplicates_ok and f in seen:
+            raise InvalidOperation(op, arg, f"slot {f} appears twice")
         seen.add(f)
+
+
+def _live_end(state: SWAAllocatorState) -> int:
+    """Slots below this lie in the full pool and in a page ``is_allocated`` may accept (1..num_pages)."""
+    p = state.config.page_size
+    return (min(state.config.size_full // p, state.full.num_pages) + 1) * p  # size_full // p: num_pages_full
 
 
 def _check_release_args(state: SWAAllocatorState, op: str, free_index: Sequence[int]) -> None:
@@ -486,30 +562,37 @@ def _check_release_args(state: SWAAllocatorState, op: str, free_index: Sequence[
 def _check_extend_args(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int], seq_lens: Sequence[int],
                        last_loc: Sequence[int], extend_num_tokens: int) -> None:
     """Preconditions shared by the paged extends (§1.3), stated for the full side."""
-    p = state.config.page_size
-    require(len(prefix_lens) == len(seq_lens) == len(last_loc), op, "seq_lens",
-            f"prefix_lens, seq_lens, last_loc have lengths {len(prefix_lens)}, {len(seq_lens)}, {len(last_loc)}")
+    p, fill, owner = state.config.page_size, state.fill, state.full.owner
+    if not len(prefix_lens) == len(seq_lens) == len(last_loc):
+        raise InvalidOperation(op, "seq_lens", f"prefix_lens, seq_lens, last_loc have lengths {len(prefix_lens)}, "
+                                               f"{len(seq_lens)}, {len(last_loc)}")
     for pre, seq in zip(prefix_lens, seq_lens, strict=True):
-        require(0 <= pre <= seq, op, "seq_lens", f"need 0 <= prefix_len <= seq_len, got {pre} and {seq}")
+        if not 0 <= pre <= seq:
+            raise InvalidOperation(op, "seq_lens", f"need 0 <= prefix_len <= seq_len, got {pre} and {seq}")
     # U2: the caller's token count matches the batch
     total = sum(seq_lens) - sum(prefix_lens)
-    require(extend_num_tokens == total, op, "extend_num_tokens", f"{extend_num_tokens} != sum(seq - prefix) = {total}")
+    if extend_num_tokens != total:
+        raise InvalidOperation(op, "extend_num_tokens", f"{extend_num_tokens} != sum(seq - prefix) = {total}")
     pages = []
     for pre, seq, loc in zip(prefix_lens, seq_lens, last_loc, strict=True):
         # last_loc is -1 exactly for requests without a prefix
-        require((loc == -1) == (pre == 0), op, "last_loc", f"{loc} for prefix_len {pre}")
+        if (loc == -1) != (pre == 0):
+            raise InvalidOperation(op, "last_loc", f"{loc} for prefix_len {pre}")
         if pre == 0:
             continue
-        _check_live(state, op, "last_loc", (loc,), duplicates_ok=True)
+        if not (p <= loc < _live_end(state) and owner[loc // p] is not None and loc % p < fill[loc // p]):
+            _check_live(state, op, "last_loc", (loc,), duplicates_ok=True)  # names the broken rule
         # the new token continues right after last_loc (SGLang's debug-mode check)
-        require((loc + 1) % p == pre % p, op, "last_loc",
-                f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
-        require(state.fill[loc // p] == loc % p + 1, op, "last_loc",
-                f"slot {loc} is not the last live slot of page {loc // p}")
+        if (loc + 1) % p != pre % p:
+            raise InvalidOperation(op, "last_loc",
+                                   f"(last_loc + 1) mod P = {(loc + 1) % p} != prefix_len mod P = {pre % p}")
+        if fill[loc // p] != loc % p + 1:
+            raise InvalidOperation(op, "last_loc", f"slot {loc} is not the last live slot of page {loc // p}")
         if pre % p and seq > pre:
             pages.append(loc // p)
     # two requests cannot continue the same partial page
-    require(len(pages) == len(set(pages)), op, "last_loc", f"two requests continue the same page: {sorted(pages)}")
+    if len(pages) != len(set(pages)):
+        raise InvalidOperation(op, "last_loc", f"two requests continue the same page: {sorted(pages)}")
 
 
 def _check_swa_continuation(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int],
@@ -517,24 +600,26 @@ def _check_swa_continuation(state: SWAAllocatorState, op: str, prefix_lens: Sequ
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
     for pre, seq, loc in zip(prefix_lens, seq_lens, last_loc, strict=True):
         # M5: a 1:1 extend that continues a page continues its SWA page too
-        require(not (pre % p and seq > pre) or mapping[loc] > 0, op, "last_loc",
-                f"continues page {loc // p} but its SWA side is released (M[{loc}] == 0)")
+        if pre % p and seq > pre and not mapping[loc] > 0:
+            raise InvalidOperation(op, "last_loc",
+                                   f"continues page {loc // p} but its SWA side is released (M[{loc}] == 0)")
 
 
 def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int], last_loc: Sequence[int],
                     owners: Sequence[Owner] | None) -> tuple[tuple[Owner, ...], int]:
     """Ghost owners per request: given, or the owner of ``last_loc``'s page, or fresh labels."""
-    p, nxt, out = state.config.page_size, state.next_owner, []
+    p, nxt, out, page_owner = state.config.page_size, state.next_owner, [], state.full.owner
     for i, (pre, loc) in enumerate(zip(prefix_lens, last_loc, strict=True)):
-        current = state.full.owner[loc // p] if pre > 0 else None
+        current = page_owner[loc // p] if pre > 0 else None
         if owners is None:
             who = current if current is not None else nxt
             nxt += current is None
         else:
-            require(len(owners) == len(prefix_lens), op, "owners",
-                    f"{len(owners)} owners for {len(prefix_lens)} requests")
+            if len(owners) != len(prefix_lens):
+                raise InvalidOperation(op, "owners", f"{len(owners)} owners for {len(prefix_lens)} requests")
             who = owners[i]
-            require(current is None or current == who, op, "owners", f"page {loc // p} belongs to {current}, not {who}")
+            if not (current is None or current == who):
+                raise InvalidOperation(op, "owners", f"page {loc // p} belongs to {current}, not {who}")
         out.append(who)
     return tuple(out), nxt
 
@@ -542,19 +627,24 @@ def _resolve_owners(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int
 def _extend_slots(prefix_len: int, seq_len: int, last_loc: int, new_pages: Sequence[int], p: int) -> list[int]:
     """Slots of one request's extend: part 1 after ``last_loc``, then the new pages in order (§1.3)."""
     n1, n2, n3 = extend_parts(prefix_len, seq_len, p)
+    whole = n2 // p
     # G4: the capacity check took exactly the pages the geometry needs
-    ensure(len(new_pages) == n2 // p + (n3 > 0), "G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
-    slots = [last_loc + 1 + i for i in range(n1)]
-    for page in new_pages[: n2 // p]:
-        slots.extend(range(page * p, page * p + p))
+    if len(new_pages) != whole + (n3 > 0):
+        raise InvariantViolation("G4", f"extend {prefix_len}->{seq_len} got {len(new_pages)} pages")
+    if p == 1:
+        return list(new_pages)  # no part 1 or 3: a page is a slot
+    slots = list(range(last_loc + 1, last_loc + 1 + n1))
+    for page in new_pages[:whole]:
+        slots += range(page * p, page * p + p)
     if n3:
-        page = new_pages[n2 // p]
-        slots.extend(range(page * p, page * p + n3))
+        page = new_pages[whole]
+        slots += range(page * p, page * p + n3)
     return slots
 
 
 def _extend_one_to_one(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int], seq_lens: Sequence[int],
-                       last_loc: Sequence[int], owners: Sequence[Owner]) -> tuple[SWAAllocatorState, Slots]:
+                       last_loc: Sequence[int], owners: Sequence[Owner], next_owner: int
+                       ) -> tuple[SWAAllocatorState, Slots]:
     """The shared body of ``alloc_extend`` / ``alloc_decode`` after validation."""
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
     counts = [num_new_pages(pre, seq, p) for pre, seq in zip(prefix_lens, seq_lens, strict=True)]
@@ -569,79 +659,114 @@ def _extend_one_to_one(state: SWAAllocatorState, op: str, prefix_lens: Sequence[
         fslots += _extend_slots(pre, seq, loc, fpages[start:start + c], p)
         sslots += _extend_slots(pre, seq, mapping[loc] if pre % p else -1, spages[start:start + c], p)
         start += c
-    state = state.model_copy(update={"full": full, "swa": swa})
-    return _hand_out(state, tuple(fslots), tuple(sslots), tuple(fslots)), tuple(fslots)
+    handed_out = tuple(fslots)
+    return _hand_out(state, full, swa, next_owner, handed_out, tuple(sslots), handed_out), handed_out
 
 
-def _set_mapping(state: SWAAllocatorState, full_slots: Sequence[int], values: Sequence[int]) -> SWAAllocatorState:
-    mapping = list(state.full_to_swa_index_mapping)
-    for f, v in zip(full_slots, values, strict=True):
-        mapping[f] = v
-    return state.model_copy(update={"full_to_swa_index_mapping": tuple(mapping)})
+def _with(values: tuple[int, ...], at: Iterable[int], new: Iterable[int]) -> tuple[int, ...]:
+    """``values`` with ``values[at[i]] = new[i]``."""
+    out = list(values)
+    for i, v in zip(at, new, strict=True):
+        out[i] = v
+    return tuple(out)
 
 
-def _hand_out(state: SWAAllocatorState, mapped_full: Slots, swa_slots: Slots, all_full: Slots) -> SWAAllocatorState:
-    """Map ``mapped_full`` 1:1 onto ``swa_slots``, mark ``all_full`` live, and undefine their KV rows."""
+def _hand_out(state: SWAAllocatorState, full: PagedPool, swa: PagedPool, next_owner: int, mapped_full: Slots,
+              swa_slots: Slots, all_full: Slots, *, unmapped: Slots = ()) -> SWAAllocatorState:
+    """The state after an allocation took pages into ``full`` / ``swa``.
+
+    Maps ``mapped_full`` 1:1 onto ``swa_slots`` and ``unmapped`` to 0, marks ``all_full`` live,
+    and undefines their KV rows.
+    """
     p, geo = state.config.page_size, state.config.kv
-    state = _set_mapping(state, mapped_full, swa_slots)
+    mapping = list(state.full_to_swa_index_mapping)
+    for f in unmapped:
+        mapping[f] = 0
+    for f, s in zip(mapped_full, swa_slots, strict=True):
+        mapping[f] = s
     fill = list(state.fill)
     for f in all_full:
-        fill[f // p] = max(fill[f // p], f % p + 1)
-    kv = forget_rows(state.kv, geo.full_attention_layer_ids, all_full)
-    kv = forget_rows(kv, geo.swa_attention_layer_ids, swa_slots)
-    return state.model_copy(update={"fill": tuple(fill), "kv": kv})
+        g, live = f // p, f % p + 1
+        if live > fill[g]:
+            fill[g] = live
+    kv = forget_rows(state.kv, (geo.full_attention_layer_ids, all_full), (geo.swa_attention_layer_ids, swa_slots))
+    return _replace(state, full=full, swa=swa, next_owner=next_owner, full_to_swa_index_mapping=tuple(mapping),
+                    fill=tuple(fill), kv=kv)
 
 
-def _release_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
-    """Release the SWA pages of the live slots of the touched full pages; zero M on those pages."""
-    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
-    touched = sorted({f // p for f in free_index}) if p > 1 else list(free_index)
-    swa_pages = []
-    for g in touched:
-        for f in range(g * p, g * p + state.fill[g]):
-            s = mapping[f]
-            if s <= 0:
-                continue
-            # M2: the SWA page released with a live full slot is held by the same owner
-            ensure(state.swa.is_allocated(s // p) and state.swa.owner[s // p] == state.full.owner[g], "M2",
-                   f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
-            swa_pages.append(s // p)
-    zeroed = [f for g in touched for f in range(g * p, g * p + p)]
-    state = _set_mapping(state, zeroed, (0,) * len(zeroed))
-    return state.model_copy(update={"swa": release_pages(state.swa, swa_pages),
-                                    "kv": _forget_pages(state, state.kv, "swa", swa_pages),
-                                    "epoch": state.epoch + bool(swa_pages)})
+def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, full: bool) -> SWAAllocatorState:
+    """The SWA side (``free_swa``), then the full pages (``free_full``) of validated ``free_index``.
+
+    SWA side: release the SWA pages of the live slots of the touched full pages and zero M on
+    those pages. Full side: release the touched full pages; they have no live slot left.
+    """
+    p, epoch = state.config.page_size, state.epoch
+    changes: dict[str, Any] = {}
+    forget: list[tuple[tuple[int, ...], list[int]]] = []
+    if swa:
+        mapping, fill, full_owner = state.full_to_swa_index_mapping, state.fill, state.full.owner
+        n_swa, swa_owner = state.swa.num_pages, state.swa.owner
+        touched = sorted({f // p for f in free_index}) if p > 1 else list(free_index)
+        swa_pages, new_mapping, zeros = [], list(mapping), [0] * p
+        for g in touched:
+            base = g * p
+            for f in range(base, base + fill[g]):
+                s = mapping[f]
+                if s <= 0:
+                    continue
+                # M2: the SWA page released with a live full slot is held by the same owner
+                h = s // p
+                if not (1 <= h <= n_swa and swa_owner[h] is not None and swa_owner[h] == full_owner[g]):
+                    raise InvariantViolation("M2", f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
+                swa_pages.append(h)
+            new_mapping[base:base + p] = zeros
+        forget.append(_page_rows(state, "swa", swa_pages))
+        epoch += bool(swa_pages)
+        changes.update(full_to_swa_index_mapping=tuple(new_mapping), swa=release_pages(state.swa, swa_pages))
+    if full:
+        pages = [f // p for f in free_index]
+        new_fill = list(state.fill)
+        for g in pages:
+            new_fill[g] = 0
+        forget.append(_page_rows(state, "full", pages))
+        epoch += bool(pages)
+        changes.update(full=release_pages(state.full, pages), fill=tuple(new_fill))
+    return _replace(state, **changes, kv=forget_rows(state.kv, *forget), epoch=epoch)
 
 
-def _release_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
-    p = state.config.page_size
-    pages = [f // p for f in free_index]
-    fill = list(state.fill)
-    for g in pages:
-        fill[g] = 0
-    return state.model_copy(update={"full": release_pages(state.full, pages), "fill": tuple(fill),
-                                    "kv": _forget_pages(state, state.kv, "full", pages),
-                                    "epoch": state.epoch + bool(pages)})
+def _page_rows(state: SWAAllocatorState, pool: str, pages: Iterable[int]) -> tuple[tuple[int, ...], list[int]]:
+    """``(layers, slots)`` of every slot of ``pages`` in ``pool``, for :func:`forget_rows`.
 
-
-def _forget_pages(state: SWAAllocatorState, kv: KVStore, pool: str, pages: Iterable[int]) -> KVStore:
-    """Released pages lose their rows (every slot): a later owner of the page never reads what an earlier one
-    wrote, whichever page an implementation reuses (rows are compared only where the current owner wrote)."""
+    Released pages lose their rows (every slot): a later owner of the page never reads what an earlier one
+    wrote, whichever page an implementation reuses (rows are compared only where the current owner wrote).
+    """
     p, geo = state.config.page_size, state.config.kv
     layers = geo.full_attention_layer_ids if pool == "full" else geo.swa_attention_layer_ids
-    return forget_rows(kv, layers, sorted({g * p + o for g in pages for o in range(p)}))
-
-
-def _newly_free(before: PagedPool, after: PagedPool) -> list[int]:
-    """Pages allocated in ``before`` and free in ``after``."""
-    return [g for g in range(1, before.num_pages + 1) if before.owner[g] is not None and after.owner[g] is None]
+    return layers, [s for g in set(pages) for s in range(g * p, g * p + p)]
 
 
 def _roll_back(pool: PagedPool, free_pages: tuple[int, ...]) -> PagedPool:
+    """``pool`` with the free list ``free_pages``, those pages unowned (its ``owner`` object when none was owned)."""
     owner = list(pool.owner)
     for page in free_pages:
         owner[page] = None
-    return pool.model_copy(update={"free_pages": free_pages, "owner": tuple(owner)})
+    after = tuple(owner)
+    if after == pool.owner:  # nothing was allocated since the backup
+        if free_pages == pool.free_pages:
+            return pool
+        after = pool.owner
+    return trusted_pool(pool.page_size, pool.num_pages, free_pages, after)
+
+
+def _newly_free(before: PagedPool, after: PagedPool) -> list[int]:
+    """Pages allocated in ``before`` and free in ``after`` (``before`` rolled back)."""
+    n, owner = before.num_pages, before.owner
+    if not len(owner) == len(after.owner) == n + 1:
+        return [g for g in range(1, n + 1) if owner[g] is not None and after.owner[g] is None]
+    if after.owner is owner:
+        return []  # no owner changed
+    # the owners the roll-back changed: the allocated pages it set to None
+    return [g for g in compress(range(n + 1), map(is_not, owner, after.owner)) if g]
 
 
 def check_live_mapping(state: SWAAllocatorState) -> None:
@@ -650,10 +775,53 @@ def check_live_mapping(state: SWAAllocatorState) -> None:
     Raises :class:`InvariantViolation` (:func:`check_live_pairs`); :mod:`kvproof.reference.invariants`
     runs it with the pool checks, and ``set_full_to_swa_mapping`` uses it as its precondition.
     """
-    mapping, swa = state.full_to_swa_index_mapping, state.swa
-    live = [(f, s) for f, s in enumerate(mapping[:-1]) if s > 0 and is_live(state, f)]
+    if _live_mapping_holds(state):
+        return
+    swa = state.swa
     swa_owner = {h: who for h in range(1, swa.num_pages + 1) if (who := swa.owner[h]) is not None}
-    check_live_pairs(state.config.page_size, live, state.full.owner, swa_owner)
+    check_live_pairs(state.config.page_size, _live_pairs(state), state.full.owner, swa_owner)
+
+
+def _live_pairs(state: SWAAllocatorState) -> list[tuple[int, int]]:
+    """``(f, M[f])`` for every live full slot ``f`` with ``M[f] > 0``, ascending (:func:`is_live`, inlined)."""
+    p, n, owner, fill, mapping = (state.config.page_size, state.full.num_pages, state.full.owner, state.fill,
+                                  state.full_to_swa_index_mapping)
+    mapped = compress(range(len(mapping) - 1), map(lt, repeat(0), mapping))  # M[f] > 0, the sentinel left out
+    return [(f, mapping[f]) for f in mapped if 1 <= f // p <= n and owner[f // p] is not None and f % p < fill[f // p]]
+
+
+def _live_mapping_holds(state: SWAAllocatorState) -> bool:
+    """Whether :func:`check_live_mapping` passes, decided page by page for the shape allocations build.
+
+    That shape: each allocated full page has 1..P live slots, all unmapped or mapped in order
+    onto one SWA page of the same owner, from its offset 0, no SWA page reached twice, every
+    owned SWA page reached. ``True`` only if the rules hold; ``False`` also for a valid mapping
+    of another shape (a remap can build one): :func:`check_live_pairs` then decides.
+    """
+    p, fill, mapping = state.config.page_size, state.fill, state.full_to_swa_index_mapping
+    n, owner, n_swa, swa_owner = state.full.num_pages, state.full.owner, state.swa.num_pages, state.swa.owner
+    if not (len(owner) == len(fill) == n + 1 and len(swa_owner) == n_swa + 1 and len(mapping) > (n + 1) * p):
+        return False
+    reached: set[int] = set()
+    # the allocated pages (is_allocated: 1..n with an owner)
+    for g in compress(range(n + 1), map(is_not, owner, repeat(None))):
+        live = fill[g]
+        if not (g and 0 < live <= p):
+            return False
+        base = g * p
+        s = mapping[base]
+        if s <= 0:
+            if live > 1 and any(mapping[base + 1:base + live]):
+                return False
+            continue
+        h = s // p
+        # M5: offset 0 and the same offsets, one full page per SWA page; M2: held by the owner, once
+        if (s % p or h > n_swa or h in reached or swa_owner[h] != owner[g]
+                or (live > 1 and mapping[base:base + live] != tuple(range(s, s + live)))):
+            return False
+        reached.add(h)
+    # G3: every owned SWA page is reached
+    return len(reached) == n_swa - swa_owner[1:].count(None)
 
 
 def check_live_pairs(page_size: int, live: Iterable[tuple[int, int]], full_owner: Sequence[Owner | None],
