@@ -46,8 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import strategies as st
-
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation, scenario
 from kvproof.reference import admission as ad

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, index_problem, misuse, operation

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.index_arena import IndexArena

@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import queue
 import signal
 import threading
@@ -46,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from hypothesis import currently_in_test_context, target
-from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvproof.conformance import strategies as st
 from kvproof.conformance.custody import Custody
 from kvproof.conformance.errors import HarnessBug, LockstepFailure
 from kvproof.reference.contract import CALLER_OWNED_RESULTS, QUERIES, Capability
@@ -355,10 +354,11 @@ class Watched:
             return value
         machine = self._machine
         changes = name not in QUERIES  # any other call may change what snapshot() reports
+        owned = name in CALLER_OWNED_RESULTS
 
         def watched(*args: Any, **kwargs: Any) -> Any:
-            if args:
-                args = tuple(unwrap(a) for a in args)
+            if args and any(type(a) is Watched for a in args):
+                args = tuple([unwrap(a) for a in args])
             if kwargs:
                 kwargs = {k: unwrap(v) for k, v in kwargs.items()}
             if changes:
@@ -374,8 +374,7 @@ class Watched:
                 if problem:
                     machine.fail(problem)
                 raise
-            problem = custody.after(name, value, inputs, len(machine.trace) if name in CALLER_OWNED_RESULTS else 0,
-                                    result, returned=True)
+            problem = custody.after(name, value, inputs, len(machine.trace) if owned else 0, result, returned=True)
             if problem:
                 machine.fail(problem)
             return Watched(result, machine) if name in SERVICES else result
@@ -655,8 +654,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     def teardown(self) -> None:
         """End of an example: fold its steps into the run's fingerprint (same seed, same examples, same digest); in a
         campaign, tell Hypothesis how far toward its targets the example got."""
-        if self.stats.digest is not None:
-            self.stats.digest.update(json.dumps(self.vector, sort_keys=True, default=repr).encode())
+        if self.stats.digest is not None:  # repr: the steps are plain values, made by the same code every time
+            self.stats.digest.update(repr(self.vector).encode())
         if self.binding.target and currently_in_test_context():
             for label in self.targets:
                 target(float(self.example_structure.get(label, 0)), label=label)
@@ -692,8 +691,12 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         problem = self.custody.returned_problem(lambda: f"a call of step {len(self.trace)} (the last: {self.last_op})")
         if problem:
             self.fail(problem)
-        for dimension, value in self.measure().items():
-            self.note(dimension, value)
+        run, example = self.stats.structure, self.example_structure
+        for dimension, value in self.measure().items():  # note(), inlined: this runs after every step
+            if value > run.get(dimension, -1):
+                run[dimension] = value
+            if value > example.get(dimension, -1):
+                example[dimension] = value
 
     def supports(self, cap: Capability) -> bool:
         return cap in self.caps

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
@@ -97,6 +97,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         self.ref = ref.initial_state(cfg)
         self._checked: ref.SWAAllocatorState | None = None  # the reference state whose invariants were checked last
         self.names = Renaming(self.p, exact=C.EXACT_PAGE_ORDER in self.caps)
+        self.device = self.impl.device  # where the implementation takes its index tensors (read once)
         self.reqs: dict[int, Req] = {}
         self.retracted: list[Retracted] = []
         self.pending: Pending | None = None
@@ -106,7 +107,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     # ------------------------------------------------------------ plumbing
 
     def _t(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.impl.device)
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _about_to_change(self, impl_slots: list[int]) -> None:
         """Called before an operation rewrites the mapping of ``impl_slots`` (a subclass may look first)."""

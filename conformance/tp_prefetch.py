@@ -42,8 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hypothesis import strategies as st
-
+from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.lockstep import Lockstep, check_after_each_step, operation

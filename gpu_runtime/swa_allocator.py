@@ -65,7 +65,7 @@ from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.registry import Component
-from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
+from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot, allocator_snapshot, pool_snapshot
 
 __all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 
@@ -180,8 +180,7 @@ class SWATokenToKVPoolAllocator:
         mapping = tuple(self.full_to_swa_index_mapping.tolist())
         last = self._last_snapshot
         if last is None or last.full is not full or last.swa is not swa or last.full_to_swa_index_mapping != mapping:
-            last = self._last_snapshot = AllocatorSnapshot.model_construct(full=full, swa=swa,
-                                                                           full_to_swa_index_mapping=mapping)
+            last = self._last_snapshot = allocator_snapshot(full, swa, mapping)
         return last
 
     def _pool_snapshot(self, pool: PagedTokenToKVPoolAllocator) -> PoolSnapshot:
@@ -189,7 +188,7 @@ class SWATokenToKVPoolAllocator:
         last = self._last_pool_snapshots.get(pool.name)
         if last is None or last.free_pages != free or (last.page_size, last.num_pages) != (pool.page_size,
                                                                                            pool.num_pages):
-            last = PoolSnapshot.model_construct(page_size=pool.page_size, num_pages=pool.num_pages, free_pages=free)
+            last = pool_snapshot(pool.page_size, pool.num_pages, free)
             self._last_pool_snapshots[pool.name] = last
         return last
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["AllocatorSnapshot", "PoolSnapshot"]
+from kvproof.reference.paged import trusted
+
+__all__ = ["AllocatorSnapshot", "PoolSnapshot", "allocator_snapshot", "pool_snapshot"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -38,3 +40,17 @@ class AllocatorSnapshot(BaseModel):
     full: PoolSnapshot
     swa: PoolSnapshot
     full_to_swa_index_mapping: tuple[int, ...]
+
+
+def pool_snapshot(page_size: int, num_pages: int, free_pages: tuple[int, ...]) -> PoolSnapshot:
+    """A :class:`PoolSnapshot` of values an implementation knows to be right (Python ints, a tuple of them), built
+    without validation (``model_construct``'s object at a fraction of its price: the harness asks for a snapshot
+    after every step)."""
+    return trusted(PoolSnapshot, {"page_size": page_size, "num_pages": num_pages, "free_pages": free_pages},
+                   {"page_size", "num_pages", "free_pages"})
+
+
+def allocator_snapshot(full: PoolSnapshot, swa: PoolSnapshot, mapping: tuple[int, ...]) -> AllocatorSnapshot:
+    """An :class:`AllocatorSnapshot` of trusted parts, without validation (see :func:`pool_snapshot`)."""
+    return trusted(AllocatorSnapshot, {"full": full, "swa": swa, "full_to_swa_index_mapping": mapping},
+                   {"full", "swa", "full_to_swa_index_mapping"})
