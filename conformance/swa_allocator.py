@@ -275,10 +275,10 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                                            ref.swa_available_size(self.ref)), sizes, strict=True):
                 if int(theirs) != mine:
                     self.fail(f"{what}() = {theirs}, reference {mine}")
-            if self.supports(C.KV_BUFFER):
-                layers = range(self.config.kv.num_layers)
+            written = [layer for layer in range(self.config.kv.num_layers) if ref.kv_written(self.ref, layer)]
+            if written and self.supports(C.KV_BUFFER):  # a layer nobody wrote has no row to compare
                 buffers = self.query("get_kvcache().get_kv_buffer()",
-                                     lambda impl: [impl.get_kvcache().get_kv_buffer(layer) for layer in layers])
+                                     lambda impl: {layer: impl.get_kvcache().get_kv_buffer(layer) for layer in written})
                 self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap, buffers))
         except Divergence as err:
             self.fail(str(err))
@@ -287,20 +287,17 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     def _after_step(self) -> None:
         """Hook run after every step, before the comparison (a subclass may probe)."""
 
-    def _compare_kv(self, snap: AllocatorSnapshot, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _compare_kv(self, snap: AllocatorSnapshot, buffers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every defined KV row of every live token, per layer, equals the implementation's row at its slot.
 
         The (reference slot, implementation slot) pairs are the same for every layer of a pool: they are built once
         per pool, each layer's defined rows are gathered in one indexing and compared as one tensor; the rows are
         looked at one by one only to name the first that differs."""
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
-        written = [layer for layer in range(geo.num_layers) if ref.kv_written(self.ref, layer)]
-        if not written:  # no row is defined anywhere (most steps of most examples): nothing to compare
-            return
         snap_m, impl_slot = snap.full_to_swa_index_mapping, self.names.impl_slot
         full = [(r, impl_slot(r), rid) for rid, req in sorted(self.reqs.items()) for r in req.slots]
         swa = [(m[r], snap_m[i], rid) for r, i, rid in full if m[r] > 0]
-        for layer in written:
+        for layer in buffers:  # the layers some row of which is defined (agrees_with_reference)
             pairs = swa if geo.is_swa_layer(layer) else full
             want = ref.kv_rows(self.ref, layer, [a for a, _, _ in pairs])
             defined = [(pair, row) for pair, row in zip(pairs, want, strict=True) if row is not None]
