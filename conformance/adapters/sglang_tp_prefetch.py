@@ -51,27 +51,40 @@ _GROUPS: tuple[Any, Any, Any, Any] | None = None
 
 
 class _Checks:
-    """How many consensus checks SGLang's checker thread has completed in this process (observed by wrapping its
-    ``_check_for_consensus``, which exits the process on a divergence), so a call can wait for its own."""
+    """How many events SGLang's rank-consensus checker has been handed in this process and how many its worker thread
+    has checked (observed by wrapping its queue's ``put`` and its ``_check_for_consensus``, which exits the process
+    on a divergence), so a call can wait until every event it made is checked. The thread checks events in batches
+    of what every rank has queued, so a call's two events (its parameters, its result) may be checked apart: waiting
+    for one check is not enough."""
 
     def __init__(self) -> None:
-        self.value = 0
+        self.queued = 0
+        self.checked = 0
         self._done = threading.Condition()
 
     def watch(self, rcc: Any) -> None:
-        real = rcc._check_for_consensus
+        real_check, real_put = rcc._check_for_consensus, rcc._q.put
 
         def check(events: list[str]) -> None:
-            real(events)
+            real_check(events)
             with self._done:
-                self.value += 1
+                self.checked += len(events)
                 self._done.notify_all()
 
-        rcc._check_for_consensus = check
+        def put(event: Any, *args: Any, **kwargs: Any) -> None:
+            if event is not None:  # None: shutdown's sentinel, never checked
+                with self._done:
+                    self.queued += 1
+            real_put(event, *args, **kwargs)
 
-    def wait_beyond(self, seen: int, timeout_s: float) -> None:
+        rcc._check_for_consensus = check
+        rcc._q.put = put
+
+    def wait_all_checked(self, timeout_s: float) -> None:
+        """Until every event queued so far is checked (a divergence exits the process meanwhile)."""
         with self._done:
-            if not self._done.wait_for(lambda: self.value > seen, timeout=timeout_s):
+            target = self.queued
+            if not self._done.wait_for(lambda: self.checked >= target, timeout=timeout_s):
                 raise RuntimeError(f"SGLang's rank-consensus checker did not check within {timeout_s:g} s")
 
 
@@ -731,10 +744,9 @@ class SGLangRankWorker:
         def run() -> dict[str, Any]:
             from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-            done = _CONSENSUS_CHECKS.value if self.consensus else 0
             res = self.cache.match_prefix(MatchPrefixParams(key=self._key(0, len(self.tokens))))
-            if self.consensus:  # the checker's worker thread compares this event with the peers' before the reply
-                _CONSENSUS_CHECKS.wait_beyond(done, timeout_s=30.0)
+            if self.consensus:  # the checker's thread compares this call's events with the peers' before the reply
+                _CONSENSUS_CHECKS.wait_all_checked(timeout_s=30.0)
             return {"device_prefix": int(res.device_prefix_len), "host_hit_length": int(res.host_hit_length),
                     "swa_host_hit_length": int(getattr(res, "swa_host_hit_length", 0))}
         return self._phase(run)
