@@ -27,6 +27,7 @@ import torch
 from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.index_arena import IndexArena
 from kvproof.conformance.lockstep import Watched, operation, scenario
 from kvproof.conformance.swa_allocator import SWAAllocatorMachine
@@ -116,7 +117,10 @@ class LocCacheMachine(SWAAllocatorMachine):
         return self._tensor(self._whole(self._store_at_reused(values, base)))
 
     def _store_at_reused(self, contents: list[int], base: int) -> int:
-        """A new storage at the freed batch address ``base``; the temporary living there before dies."""
+        """A new storage at the freed batch address ``base``; the temporary living there before dies. ``contents``
+        fits one cell (``_CELL``): the storage after it starts there."""
+        if 8 * len(contents) > _CELL:
+            raise HarnessBug(f"{len(contents)} indices at the reused address {base} would overlap the next storage")
         for sid, s in enumerate(self.memory.storages):
             if s.alive and s.base == base:
                 self.memory = im.free_storage(self.memory, sid)
@@ -320,8 +324,9 @@ class LocCacheMachine(SWAAllocatorMachine):
             choices.append("in_place")
         how = choices[-1] if len(choices) > 1 and data.draw(st.booleans(), label="reuse") else data.draw(
             st.sampled_from(choices), label="out_cache_loc")
-        if how == "reuse_address" and self.reuse_base is not None:
-            return self._store_at_reused(contents, self.reuse_base)
+        if how == "reuse_address" and self.reuse_base is not None and 8 * len(contents) <= _CELL:
+            return self._store_at_reused(contents, self.reuse_base)  # (a larger batch would overlap the next cell:
+            # it takes a fresh address instead, with no other draw, so the examples around it stay what they were)
         if how == "in_place" and last is not None:
             self.memory = im.write_index(self.memory, last, 0, contents)
             self.tensors[last].copy_(torch.tensor(contents, dtype=torch.int64))

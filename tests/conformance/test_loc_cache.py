@@ -78,3 +78,28 @@ def test_mutant_killed_by_state_machine_with_short_trace(name: str) -> None:
     assert "LockstepFailure" in failure and "HarnessError" not in failure, failure
     steps = _steps(failure)
     assert 1 <= len(steps) <= 10, f"shrunk trace has {len(steps)} steps:\n{failure}"
+
+
+def test_a_batch_too_large_for_the_freed_address_takes_a_fresh_one() -> None:
+    """A decode batch of more indices than one cell holds (3 requests growing by P + 1 at P = 4: 15) that draws the
+    freed batch address gets a fresh storage instead of overlapping the storage after that address (a randomized
+    run found the overlap: the reference's index memory refused it as a harness error)."""
+    from kvproof.conformance.check import Binding
+    from kvproof.reference import index_memory as im
+
+    class Reuse:  # draws "reuse" (the last choice) and nothing else
+        def draw(self, strategy: object, label: str | None = None) -> bool:
+            assert label == "reuse", label
+            return True
+
+    machine = LocCacheMachine(Binding(SWATokenToKVPoolAllocator, CONFORMANCE_CONFIGS[2], op_timeout=5.0))
+    freed = machine._store([1])
+    neighbour = machine._store([2])
+    machine.memory = im.free_storage(machine.memory, freed)
+    machine.phase, machine.reuse_base = "prep", machine.memory.storages[freed].base
+    small = machine._batch_storage(Reuse(), [7] * 8)  # fits the cell: reuses the address
+    assert machine.memory.storages[small].base == machine.reuse_base
+    machine.memory = im.free_storage(machine.memory, small)
+    large = machine._batch_storage(Reuse(), list(range(10, 25)))
+    assert machine.memory.storages[large].base not in (machine.reuse_base, machine.memory.storages[neighbour].base)
+    assert machine.memory.storages[neighbour].alive
