@@ -119,6 +119,18 @@ def with_isolation(command: Callable[..., Any]) -> Callable[..., Any]:
     return collected
 
 
+ACCEPT = click.option(
+    "--accept", multiple=True, metavar="FINDING",
+    help="Look past this known finding of the implementation (an id it declares, e.g. F1, whose documented "
+         "behaviour the suite can follow): the run goes on after each occurrence, counts them, and fails if it never "
+         "occurs. Repeatable, or comma-separated. Default: none (nothing is hidden).")
+
+
+def _ids(values: tuple[str, ...]) -> tuple[str, ...]:
+    """``--accept F1 --accept F4,F5`` -> (F1, F4, F5)."""
+    return tuple(dict.fromkeys(v.strip() for value in values for v in value.split(",") if v.strip()))
+
+
 def with_suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Add one click option per declared suite option (``--policy`` ...), collected into ``suite_options``."""
     declared = options()
@@ -223,12 +235,13 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
               help="Seconds (> 0) one implementation call may take before it counts as hung.")
 @click.option("--fresh", is_flag=True,
               help="Do not replay the failures saved under .kvproof/failures/ before generating.")
+@ACCEPT
 @with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float, fresh: bool, suite_options: dict[str, str],
-            isolation: dict[str, Any]) -> None:
+            junit_xml: str | None, op_timeout: float, fresh: bool, accept: tuple[str, ...],
+            suite_options: dict[str, str], isolation: dict[str, Any]) -> None:
     """Run the lockstep conformance suites, one row per component and pool config.
 
     Failures saved by earlier runs of the same test (.kvproof/failures/) are replayed first;
@@ -244,7 +257,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     try:
         _refuse_seed(profile, seed)
         the_plan = plan(components, load_impls(impl_specs), configs, load_selection(skip_file, xfail_file),
-                        suite_options)
+                        suite_options, accept=_ids(accept))
     except _usage_errors() as err:
         _bad_input(console, err)
     events = CLIEvents(console, json_report, junit_xml)
@@ -261,8 +274,8 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     console.print(conform_table(reports, console.width))
     print_reports(console, reports)
     for o in outcomes:
-        if o.status in ("skipped", "xfailed", "xpassed"):
-            style = "red" if o.status == "xpassed" else "yellow"
+        if o.status in ("skipped", "xfailed", "xpassed") or (o.report is None and o.status == "failed"):
+            style = "yellow" if o.status in ("skipped", "xfailed") else "red"
             console.print(f"[{style}]{o.component} {o.config}: {o.status} ({o.reason})[/]")
     for warning in info.warnings:
         console.print(f"[yellow]warning: {warning}[/]")
@@ -305,11 +318,12 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
               help="Seconds (> 0) one implementation call may take before it counts as hung.")
 @click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0), default=MEMORY_LIMIT_MB,
               show_default=True, metavar="MIB", help="MiB an implementation's process may grow by (0: no limit).")
+@ACCEPT
 @with_suite_options
 def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tuple[str, ...], duration: str | None,
          step_budget: int | None, workers: int | None, db: str | None, seed: int, mode: str, resume: bool,
          fresh: bool, examples: int, steps_per_example: int, op_timeout: float, memory_limit: int,
-         suite_options: dict[str, str]) -> None:
+         accept: tuple[str, ...], suite_options: dict[str, str]) -> None:
     """A fuzzing campaign: the lockstep suites under a time or step budget on K workers, nothing lost.
 
     Failures are saved the moment they are found (the example database, .kvproof/failures/); the same command
@@ -326,7 +340,7 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
         if resume and fresh:
             raise click.UsageError("--resume and --fresh contradict each other")
         budget = Budget(parse_duration(duration) if duration is not None else None, step_budget)
-        the_plan = plan(components, load_impls(impl_specs), configs, None, suite_options)
+        the_plan = plan(components, load_impls(impl_specs), configs, None, suite_options, accept=_ids(accept))
         spec = plan_campaign(the_plan.tests, budget, workers=workers, seed=seed, engine=mode, db=db,
                              examples=examples, steps_per_example=steps_per_example, op_timeout=op_timeout,
                              memory_limit_mb=memory_limit, fresh=fresh)
@@ -347,7 +361,7 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
             status = campaign.run()
         finally:
             view.stop()
-        code = summarize(console, campaign, status)
+        code = summarize(console, campaign, status, the_plan.accepted)
         sys.stdout.flush()
         sys.stderr.flush()
         # the workers are joined and everything is written: exit now, not through the interpreter's teardown (it
@@ -556,6 +570,11 @@ def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation
         sys.exit(0)
     console.print(f"{spec}: [red]FAIL[/] after {result.steps} step(s) ({where})")
     console.print(result.failure, markup=False, highlight=False, soft_wrap=True)
+    if result.evidence is not None:
+        from kvproof.conformance.findings import Evidence, declared_findings, label
+
+        console.print(f"known finding: {label(Evidence.from_json(result.evidence), declared_findings(factory))}; "
+                      f"evidence: {result.evidence}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(1)
 
 

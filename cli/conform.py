@@ -34,7 +34,7 @@ def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
         table.add_column(header if compact else col, justify="left" if text else "right", overflow="fold",
                          min_width=longest.get(col))
     for r in reports:
-        verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
+        verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] ({r.finding or '-'})"
         table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(sum(r.calls.values())),
                       str(r.outcomes.get("ok", 0)), str(r.outcomes.get("OutOfMemory", 0)),
                       str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), _structure(r),
@@ -75,8 +75,13 @@ def print_reports(console: Console, reports: list[CheckReport]) -> None:
             below = ", ".join(f"{k} {got}/{most}" for k, (got, most) in sorted(missed.items()))
             console.print(f"{r.component} {r.config.label()}: structure below its maximum on this config: {below}",
                           highlight=False, markup=False)
+        looked_past = ", ".join(f"{f} x{n}" for f, n in r.accepted.items())
+        if looked_past:
+            console.print(f"{r.component} {r.config.label()}: known findings looked past (--accept): {looked_past}",
+                          highlight=False, markup=False)
         if not r.passed:
-            console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/]", highlight=False)
+            console.print(f"\n[bold red]{r.component} {r.config.label()} failed[/] (finding: {r.finding or '-'})",
+                          highlight=False)
             console.print(r.failure, markup=False, highlight=False, soft_wrap=True)
             if r.failure_file:
                 console.print(f"(saved to {r.failure_file})", markup=False, highlight=False, soft_wrap=True)

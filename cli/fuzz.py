@@ -66,10 +66,13 @@ def summary_table(campaign: Campaign, title: str) -> Table:
     return table
 
 
-def summarize(console: Console, campaign: Campaign, status: str) -> int:
+def summarize(console: Console, campaign: Campaign, status: str,
+              accepted: tuple[tuple[Any, str], ...] = ()) -> int:
     """The summary of a campaign that ended with ``status``: the table, each failure (its finding and its replay
-    command), the structural dimensions below their maximum, the fingerprint; the exit code (0 nothing found, 1 a
-    failure found or still failing, 2 a harness error, 130 stopped by Ctrl-C)."""
+    command), the known findings it looked past (``accepted``: (component, finding) pairs of the plan; one that never
+    occurred in a complete campaign is a failure, strict), the structural dimensions below their maximum, the
+    fingerprint; the exit code (0 nothing found, 1 a failure found or still failing, 2 a harness error, 130 stopped by
+    Ctrl-C)."""
     plain: dict[str, Any] = {"markup": False, "highlight": False}
     console.print(summary_table(campaign, f"kvproof fuzz: {status} after {campaign.elapsed:,.0f} s"))
     for failure in campaign.failures:
@@ -78,6 +81,13 @@ def summarize(console: Console, campaign: Campaign, status: str) -> int:
         where = (f"; saved to {failure.file}; replay: kvproof replay {failure.file.removesuffix('.txt')}.json"
                  if failure.file else "")
         console.print(f"  known finding: {failure.finding}{where}", **plain)
+    unseen = []
+    for component, finding in accepted:
+        seen = sum(t.accepted.get(finding, 0) for t in campaign.tallies.values() if t.component == component.value)
+        console.print(f"{component.value}: known finding {finding} looked past {seen} time(s) (--accept)", **plain)
+        if not seen:
+            unseen.append(f"{component.value}: --accept {finding}, and it never occurred (drop --accept {finding}: "
+                          "the implementation changed, or the campaign cannot reach it)")
     for name, tally in sorted(campaign.tallies.items()):
         reached = tally.reached()
         below = [f"{k} {reached.get(k, 0)}/{most}" for k, most in sorted(tally.targets.items())
@@ -94,7 +104,9 @@ def summarize(console: Console, campaign: Campaign, status: str) -> int:
         console.print(f"[red]harness error: {error}[/]", highlight=False)
     if status in ("interrupted", "killed"):
         return EXIT_INTERRUPTED
-    return 2 if campaign.errors else 1 if campaign.failures else 0
+    for line in unseen:  # strict, once the campaign ran its whole budget
+        console.print(f"[red]{line}[/]", highlight=False)
+    return 2 if campaign.errors else 1 if campaign.failures or unseen else 0
 
 
 class FuzzView(CampaignEvents):

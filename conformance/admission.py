@@ -201,19 +201,21 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         """The next request add_one_req takes; none while continuations are pending or once the adder stopped."""
         return self.queue[0] if self.queue and not self.stopped and not self.continuing else None
 
-    def _why_refused(self, rid: int) -> str:
-        """What makes a request that fits the empty pool too big for the budget, in the state it is refused in."""
+    def _why_refused(self, rid: int) -> tuple[str, str]:
+        """What makes a request that fits the empty pool too big for the budget, in the state it is refused in: a
+        short code (the evidence of a liveness verdict) and its explanation."""
         r, c = self.ref.requests[rid], self.ref.config
         walk = ad.window_walk(self.ref, r.node)
         if walk.host_tokens > walk.capped_tokens:
-            return (f"S9: the budget charges the window's host tombstones whole, {walk.host_tokens} tokens, where "
-                    f"load-back within the window needs {walk.capped_tokens}")
+            return "tombstones_charged_whole", (
+                f"S9: the budget charges the window's host tombstones whole, {walk.host_tokens} tokens, where "
+                f"load-back within the window needs {walk.capped_tokens}")
         last = ad.last_device_node(self.ref, r.node)
         pinned = ad.window_walk(self.ref, last).unlocked_device_pages - walk.unlocked_device_pages
         if c.policy is AdmissionPolicy.UPSTREAM_0523 and pinned > 0:
-            return (f"the selection pin of node {last}, the match's last device node, protects {pinned} device SWA "
-                    f"page(s) outside the request's window")
-        return "S9"
+            return "selection_pin", (f"the selection pin of node {last}, the match's last device node, protects "
+                                     f"{pinned} device SWA page(s) outside the request's window")
+        return "other", "S9"
 
     def _describe(self, rid: int) -> str:
         r = self.ref.requests[rid]
@@ -331,13 +333,14 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         idle = self._idle() and ad.fits_empty_pool(self.ref, rid)
         rem = ad.rem_swa_tokens(self.ref)
         described = self._describe(rid)
-        why = self._why_refused(rid)
+        reason, why = self._why_refused(rid)
         out = self.call("add_one_req", described, lambda: ad.add_one_req(self.ref, rid),
                         lambda: self.impl.add_one_req(rid))
         if out is None:  # both ran out of SWA: the budget admitted a request whose load-back does not fit
             self.fail(f"A1 violated: add_one_req admitted {described} with rem_swa_tokens {rem}, then its load-back "
                       f"ran out of SWA memory (the {self.ref.config.policy.value} budget does not count what "
-                      f"load-back allocates: S8)")
+                      f"load-back allocates: S8)", check="invariant",
+                      detail={"invariant": "A1", "finding": "S8", "policy": self.ref.config.policy.value})
         (self.ref, want), got = out
         mine = self.snapshot().state.requests[rid].status
         theirs = self.ref.requests[rid].status
@@ -359,7 +362,9 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                           f"(nothing admitted, running, locked or reserved; rem_swa_tokens {rem} of "
                           f"{self.ref.config.size_swa}) although it fits the empty pool; a refusal changes nothing, "
                           f"so it waits forever and blocks the queue behind it ({why}, policy "
-                          f"{self.ref.config.policy.value})")
+                          f"{self.ref.config.policy.value})", check="liveness",
+                          detail={"reason": reason, "policy": self.ref.config.policy.value,
+                                  "finding": "S9" if reason != "selection_pin" else "new"})
 
     @operation(when=lambda self: self._round_open() and self._head() is None and not self.continuing)
     def prepare_for_extend(self) -> None:
@@ -373,7 +378,8 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                         self.impl.prepare_for_extend)
         if out is None:
             self.fail(f"A1 violated: 'Prefill out of memory': the round admitted requests {pending} whose chunks do "
-                      f"not fit the SWA pool after their load-back (S8)")
+                      f"not fit the SWA pool after their load-back (S8)", check="invariant",
+                      detail={"invariant": "A1", "finding": "S8", "policy": self.ref.config.policy.value})
         self.ref = out[0][0]
         self._held_pages("prepare_for_extend", pending, lambda rid: (
             f"its chunk of {self.ref.requests[rid].extend_len} tokens after {done[rid]} own takes {pages[rid]} pages "

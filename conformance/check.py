@@ -47,6 +47,7 @@ from kvproof.conformance.errors import (
     UsageError,
     VectorError,
 )
+from kvproof.conformance.findings import Evidence, declared_findings, followed_by, label, resolve_accepted
 from kvproof.conformance.generation import stable_generation
 from kvproof.conformance.isolation import (
     DEFAULT_MEMORY_LIMIT_MB,
@@ -185,6 +186,12 @@ class CheckReport:
     #: when the run first saw its failure, before any shrinking: seconds from its start and lockstep steps done
     detected_seconds: float | None = None
     detected_steps: int | None = None
+    #: what the failure's verdict saw (kvproof.conformance.findings.Evidence, as JSON) and the declared finding it
+    #: is (its id, ``new``, or ``-`` without evidence: a crash of the implementation's process)
+    evidence: dict[str, Any] | None = None
+    finding: str = ""
+    #: the known findings the run looked past (``accept``), each with how often it occurred
+    accepted: dict[str, int] = field(default_factory=dict)
 
     def structure_missed(self) -> dict[str, tuple[int, int]]:
         """Dimensions the run did not take to their maximum: ``{name: (reached, maximum)}``."""
@@ -336,6 +343,10 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
         failure: str | None = f"the factory could not build an implementation for {config.label()}: {why}"
         return CheckReport(name, impl_name, config, frozenset(), (), {}, {}, 0, 0, time.perf_counter() - start,
                            failure)
+    findings = declared_findings(probe) or declared_findings(factory)
+    # the known findings the run looks past: ids the implementation declares, each one the suite can follow
+    accepting = [f.id for f in resolve_accepted(machine_options.get("accept", ()), findings, name,
+                                                followed_by(suite.machine))]
     stats = RunStats(digest=hashlib.sha256())
     binding = Binding(factory, config, machine_options, impl_name, f"replay: {replay}" if replay else "", op_timeout,
                       stats, target=target)
@@ -365,6 +376,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
 
     def first_seen(text: str, steps: list[dict[str, Any]]) -> None:
         if not first:
+            # labelled now: a campaign that stops before shrinking ends reports this text, not the final report
+            text = f"{text}\n\nknown finding: {label(stats.evidence, findings)} (matched by the verdict's evidence)"
             detected.update(seconds=time.perf_counter() - start, steps=stats.steps)
             first.append((text, json.loads(json.dumps(steps))))
             seen = {**make_vector(name, config, impl_name, machine_options, steps, f"LockstepFailure: {text}"),
@@ -398,10 +411,14 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     def report() -> CheckReport:
         ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
         never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
+        evidence = stats.evidence if failure is not None else None
         return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
                            stats.examples, time.perf_counter() - start, failure, saved, never, vector,
                            declared_version, stats.digest.hexdigest(), dict(stats.calls), dict(stats.structure),
-                           structure_targets(suite, config, caps, na), detected["seconds"], detected["steps"])
+                           structure_targets(suite, config, caps, na), detected["seconds"], detected["steps"],
+                           evidence.to_json() if evidence is not None else None,
+                           label(evidence, findings) if failure is not None else "",
+                           {f: stats.accepted.get(f, 0) for f in accepting})
 
     try:
         machines: Any = _MachineFactory(suite, binding, identity)
@@ -425,6 +442,9 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     except Exception as err:  # noqa: BLE001 - the verdict is data here
         notes = "\n".join(n for n in getattr(err, "__notes__", []) if "reproduce_failure" not in n)
         failure = f"{type(err).__name__}: {err}\n{notes}".rstrip()
+        evidence = getattr(err, "evidence", None)
+        if isinstance(evidence, Evidence):  # the reported example's (shrunk) verdict
+            stats.evidence = evidence
         steps = stats.last_vector
         if stats.hung:  # Hypothesis' own verdict after a hang is noise (flaky re-runs): report the hang
             failure, steps = f"LockstepFailure: {stats.hung}", stats.hung_vector

@@ -32,11 +32,16 @@ __all__ = ["Divergence", "Renaming"]
 
 class Divergence(Verdict):
     """The implementation's observable state differs from the reference's (the machine turns it into a
-    :class:`~kvproof.conformance.errors.LockstepFailure` with the trace)."""
+    :class:`~kvproof.conformance.errors.LockstepFailure` with the trace); ``detail`` says what differs in plain
+    values (``code``: one of the comparison's rules, ``pool``: where), the evidence a finding is matched by."""
+
+    def __init__(self, what: str, **detail: object) -> None:
+        super().__init__(what)
+        self.detail = detail
 
 
-def _diverge(what: str) -> None:
-    raise Divergence(what)
+def _diverge(what: str, code: str, **detail: object) -> None:
+    raise Divergence(what, code=code, **detail)
 
 
 @dataclass
@@ -52,17 +57,17 @@ class _PageMap:
     def bind(self, ref_page: int, impl_page: int, why: str) -> None:
         if self.exact and ref_page != impl_page:
             _diverge(f"{why}: {self.pool} page {ref_page} in the reference is page {impl_page} in the "
-                     "implementation, but it declares EXACT_PAGE_ORDER")
+                     "implementation, but it declares EXACT_PAGE_ORDER", "page_order", pool=self.pool)
         known = self.forward.get(ref_page)
         if known is not None:
             if known != impl_page:
                 _diverge(f"{why}: {self.pool} page {ref_page} corresponds to implementation page {known}, "
-                         f"but now to {impl_page}")
+                         f"but now to {impl_page}", "rebound", pool=self.pool)
             return
         holder = self.backward.get(impl_page)
         if holder is not None:
             _diverge(f"{why}: implementation {self.pool} page {impl_page} is handed out again while it still "
-                     f"holds reference page {holder} (aliasing: two owners share one page)")
+                     f"holds reference page {holder} (aliasing: two owners share one page)", "aliasing", pool=self.pool)
         self.forward[ref_page] = impl_page
         self.backward[impl_page] = ref_page
         self.changes += 1
@@ -81,7 +86,7 @@ class _PageMap:
             self.changes += 1
             if impl_page not in impl_free:
                 _diverge(f"{self.pool} page {ref_page} was released in the reference, but its implementation "
-                         f"page {impl_page} is still allocated (leak or missed free)")
+                         f"page {impl_page} is still allocated (leak or missed free)", "not_released", pool=self.pool)
 
 
 @dataclass
@@ -113,16 +118,17 @@ class Renaming:
         """Bind the pages of an allocation's result, slot by slot."""
         p = self.page_size
         if len(ref_slots) != len(impl_slots):
-            _diverge(f"{op} returned {len(impl_slots)} slots, the reference {len(ref_slots)}")
+            _diverge(f"{op} returned {len(impl_slots)} slots, the reference {len(ref_slots)}", "result_length")
         for r, i in zip(ref_slots, impl_slots, strict=True):
             if r % p != i % p:
                 _diverge(f"{op}: a token at in-page offset {r % p} in the reference got implementation slot {i} "
-                         f"(offset {i % p})")
+                         f"(offset {i % p})", "result_offset")
             self.bind_full_page(op, r // p, i // p)
 
     def bind_full_page(self, why: str, ref_page: int, impl_page: int) -> None:
         if impl_page == 0:
-            _diverge(f"{why}: the implementation handed out a slot of the reserved page 0")
+            _diverge(f"{why}: the implementation handed out a slot of the reserved page 0", "reserved_page_handed_out",
+                     pool="full")
         self.full.bind(ref_page, impl_page, why)
 
     def released(self, state: ref.SWAAllocatorState) -> None:
@@ -156,26 +162,31 @@ class Renaming:
         for pool, pages, free in (("full", self.full, impl_full_free), ("swa", self.swa, impl_swa_free)):
             taken = sorted(set(pages.backward) & free)
             if taken:
-                _diverge(f"implementation {pool} pages {taken} hold live data but are in its free list")
+                _diverge(f"implementation {pool} pages {taken} hold live data but are in its free list",
+                         "live_page_free", pool=pool)
         self._passed = (parts, snap, (self.full.changes, self.swa.changes))
 
     def _compare_pools(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
         for name, mine, theirs in (("full", state.full, snap.full), ("swa", state.swa, snap.swa)):
             if (theirs.page_size, theirs.num_pages) != (mine.page_size, mine.num_pages):
                 _diverge(f"{name} pool geometry: implementation P={theirs.page_size} pages={theirs.num_pages}, "
-                         f"reference P={mine.page_size} pages={mine.num_pages}")
+                         f"reference P={mine.page_size} pages={mine.num_pages}", "geometry", pool=name)
             if len(theirs.free_pages) != len(mine.free_pages):
                 _diverge(f"{name} pool: implementation has {len(theirs.free_pages)} free pages "
-                         f"{list(theirs.free_pages)}, reference {len(mine.free_pages)} {list(mine.free_pages)}")
+                         f"{list(theirs.free_pages)}, reference {len(mine.free_pages)} {list(mine.free_pages)}",
+                         "free_count", pool=name, implementation=len(theirs.free_pages), reference=len(mine.free_pages),
+                         reserved_page_free=0 in theirs.free_pages)
             if len(set(theirs.free_pages)) != len(theirs.free_pages):
-                _diverge(f"{name} pool: implementation free list has a duplicate page {list(theirs.free_pages)}")
+                _diverge(f"{name} pool: implementation free list has a duplicate page {list(theirs.free_pages)}",
+                         "duplicate_free", pool=name, reserved_page_free=0 in theirs.free_pages)
             if 0 in theirs.free_pages:
-                _diverge(f"{name} pool: implementation free list contains the reserved page 0")
+                _diverge(f"{name} pool: implementation free list contains the reserved page 0", "reserved_page_free",
+                         pool=name, reserved_page_free=True)
             if self.exact and theirs.free_pages != mine.free_pages:
                 _diverge(f"{name} pool order: implementation free list {list(theirs.free_pages)}, reference "
-                         f"{list(mine.free_pages)} (EXACT_PAGE_ORDER declared)")
+                         f"{list(mine.free_pages)} (EXACT_PAGE_ORDER declared)", "free_order", pool=name)
         if snap.full_to_swa_index_mapping[-1:] != (-1,):
-            _diverge("implementation mapping lost its trailing -1 sentinel")
+            _diverge("implementation mapping lost its trailing -1 sentinel", "sentinel")
 
     def _compare_mapping(self, state: ref.SWAAllocatorState, snap: AllocatorSnapshot) -> None:
         p, mine, theirs = self.page_size, state.full_to_swa_index_mapping, snap.full_to_swa_index_mapping
@@ -189,12 +200,14 @@ class Renaming:
                     continue  # the slot's SWA page pair is the one bound just before (the common case)
                 if m == 0 and mi != 0:
                     _diverge(f"M[{r}] is 0 in the reference (no SWA slot), but the implementation maps its slot "
-                             f"{i} to SWA slot {mi} (stale mapping: free_swa would release that page)")
+                             f"{i} to SWA slot {mi} (stale mapping: free_swa would release that page)", "stale_mapping")
                 if m > 0 and mi <= 0:
-                    _diverge(f"M[{r}] = {m} in the reference, but the implementation maps its slot {i} to {mi}")
+                    _diverge(f"M[{r}] = {m} in the reference, but the implementation maps its slot {i} to {mi}",
+                             "unmapped")
                 if m > 0:
                     if m % p != mi % p:
-                        _diverge(f"M[{r}] = {m} (offset {m % p}); implementation M[{i}] = {mi} (offset {mi % p})")
+                        _diverge(f"M[{r}] = {m} (offset {m % p}); implementation M[{i}] = {mi} (offset {mi % p})",
+                                 "mapping_offset")
                     self.swa.bind(m // p, mi // p, f"mapping of full slot {r}")
                     bound = (m // p, mi // p)
 

@@ -143,9 +143,13 @@ class DecodePreallocMachine(SWALockstep):
 
     def _step(self, op: str, result: dp.StepResult) -> None:
         self.trace.op(f"{op}() -> requests {list(result.rids)}" + (" (stalled)" if result.stalled else ""))
+        self.followed = None
         for call in result.calls:
             self._replay(call)
-        self.ref, self.node = result.allocator, result.node
+        # a stalled decode whose failed alloc_decode was followed (--accept F1) ends on the leaked state
+        followed = self.followed
+        self.ref = followed[1] if followed is not None and followed[0] is result.allocator else result.allocator
+        self.node = result.node
         self.reqs = {r.rid: Req(r.rid, list(r.slots)) for r in self.node.running}
         if result.crash is not None:
             c = result.crash
@@ -190,6 +194,7 @@ class DecodePreallocMachine(SWALockstep):
                                a["extend_num_tokens"], *extra),
                     f"{pre}->{seq}" + (f", swa_tail_len={extra[0]}" if extra else ""))
         if call.op == "alloc_decode":
+            self.decoding = (a["seq_lens"], a["last_loc"])  # what a follower of a failed decode needs (swa suite)
             seq, last = a["seq_lens"], side(a["last_loc"])
             return lambda: impl.alloc_decode(self._t(seq), self._cpu(seq), self._t(last)), f"seq_lens={seq}"
         if call.op in ("free", "free_swa"):

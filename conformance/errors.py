@@ -35,7 +35,15 @@ class Verdict(Exception):
 
 
 class LockstepFailure(Verdict):
-    """The implementation diverged; the message has the op, the step, the values and a replay hint."""
+    """The implementation diverged; the message has the op, the step, the values and a replay hint, and
+    ``evidence`` (a :class:`kvproof.conformance.findings.Evidence`, when the machine raised it) what happened."""
+
+    def __init__(self, message: str, evidence: object = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence
+
+    def __reduce__(self) -> tuple[type, tuple[str, object]]:  # picklable with its evidence (isolated runs)
+        return type(self), (str(self), self.evidence)
 
 
 class ConformanceFailure(Verdict):

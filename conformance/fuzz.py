@@ -50,14 +50,14 @@ from hypothesis import HealthCheck, Phase, settings
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, ENGINES, FAILURES_DIR, CheckReport, get_suite, run_check
 from kvproof.conformance.database import open_database, test_identity
 from kvproof.conformance.errors import RunInterrupted, UsageError, VectorError
-from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
+from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, fork_problem
 from kvproof.conformance.lockstep import RunProgress
 from kvproof.conformance.plan import PlannedTest
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FailureFile, saved_vectors, write_atomic
 
 __all__ = ["Budget", "Campaign", "CampaignEvents", "CampaignSpec", "Failure", "Ledger", "SliceTally", "fuzz_settings",
-           "parse_duration", "run_seed"]
+           "parse_duration", "run_seed", "start_method"]
 
 #: Examples per run and steps per example (a run is a few seconds: the budget is checked between runs).
 RUN_EXAMPLES, RUN_STEPS = 25, 50
@@ -117,6 +117,15 @@ class Budget:
         return f"{self.seconds:g} s" if self.seconds is not None else f"{self.steps:,} steps"
 
 
+def start_method() -> str:
+    """How the workers start: ``fork`` (cheap, the parent's imports shared) unless this process cannot fork a
+    working child (CUDA initialised here, as ``kvproof bench`` does before its fuzz section; a forked worker
+    could not use the runtime's device) or the platform has no ``fork``; then ``spawn``."""
+    if fork_problem() is None and "fork" in multiprocessing.get_all_start_methods():
+        return "fork"
+    return "spawn"
+
+
 @dataclass(frozen=True)
 class CampaignSpec:
     """Everything a campaign's workers need (picklable)."""
@@ -170,6 +179,7 @@ class Failure:
     file: str | None
     replayed: bool  # found by replaying a failure kept from an earlier run (a known one that still fails)
     seed: int | None = None
+    label: str = ""  # the finding the run's report matched by the verdict's evidence (kvproof.conformance.findings)
 
     @property
     def diagnosis(self) -> str:
@@ -177,7 +187,10 @@ class Failure:
 
     @property
     def finding(self) -> str:
-        """The known finding the verdict names (the suites name them: ``known finding: S10 ...``), or ``new``."""
+        """The finding the report's evidence matched; for a failure heard before its run ended (a first-seen note,
+        a replay), the one the verdict names (``known finding: S10 ...``); else ``new``."""
+        if self.label and self.label != "-":
+            return self.label
         for line in self.text.splitlines():
             if "known finding:" in line:
                 return line.split("known finding:", 1)[1].strip().split(" (")[0]
@@ -204,6 +217,7 @@ class SliceTally:
     replayed: int = 0  # saved failures replayed at the start
     still_failing: int = 0
     done: bool = False  # not fuzzed any further (it fails)
+    accepted: Counter[str] = field(default_factory=Counter)  # occurrences of each known finding looked past
 
     @property
     def total_steps(self) -> int:
@@ -382,12 +396,14 @@ class _RunSummary:
     targets: dict[str, int]
     fingerprint: str
     failure: Failure | None
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 def _summary(report: CheckReport, seed: int) -> _RunSummary:
-    failure = None if report.passed else Failure("", report.failure or "", report.failure_file, False, seed)
+    failure = None if report.passed else Failure("", report.failure or "", report.failure_file, False, seed,
+                                                 report.finding)
     return _RunSummary(report.steps, report.examples, report.seconds, dict(report.rules), dict(report.structure),
-                       dict(report.structure_targets), report.fingerprint, failure)
+                       dict(report.structure_targets), report.fingerprint, failure, dict(report.accepted))
 
 
 # ---------------------------------------------------------------- the campaign (the caller's process)
@@ -419,7 +435,7 @@ class Campaign:
 
     def run(self) -> str:
         """Run to the end of the budget (or a stop); the final status (``complete``, ``interrupted``, ``killed``)."""
-        ctx: Any = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        ctx: Any = multiprocessing.get_context(start_method())
         self._stop, self._out = ctx.Event(), ctx.Queue()
         first = {name: runs for name, runs in self.ledger.runs.items()}
         k = min(self.spec.workers, len(self.spec.tests))
@@ -519,11 +535,13 @@ class Campaign:
             tally.covered.update(summary.rules)
             tally.targets = summary.targets
             tally.fingerprints[index] = summary.fingerprint
+            tally.accepted.update(summary.accepted)
             for k, v in summary.structure.items():
                 tally.structure[k] = max(v, tally.structure.get(k, 0))
             failure = None
             if summary.failure is not None:
-                failure = Failure(name, summary.failure.text, summary.failure.file, False, summary.failure.seed)
+                failure = Failure(name, summary.failure.text, summary.failure.file, False, summary.failure.seed,
+                                  summary.failure.label)
                 tally.done = True
                 self._found(failure)
             self.ledger.record(name, index + 1, failure)

@@ -50,6 +50,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvproof.conformance import strategies as st
 from kvproof.conformance.custody import Custody
 from kvproof.conformance.errors import HarnessBug, LockstepFailure
+from kvproof.conformance.findings import Evidence, Finding, declared_findings, followed_by, resolve_accepted
 from kvproof.reference.contract import CALLER_OWNED_RESULTS, QUERIES, Capability
 from kvproof.reference.errors import InvalidOperation, OutOfMemory, PoolError
 from kvproof.reference.registry import Component
@@ -507,6 +508,10 @@ class RunStats:
     on_example: Callable[[RunStats], None] | None = None
     #: the most each structural dimension reached (:meth:`Lockstep.note`, :meth:`Lockstep.measure`)
     structure: dict[str, int] = field(default_factory=dict)
+    #: the evidence of the latest verdict (the failing example's, once Hypothesis has shrunk it)
+    evidence: Evidence | None = None
+    #: occurrences of each known finding the run looked past (``Binding.accept``)
+    accepted: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -606,6 +611,11 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         self.applicable = {name: op.applicable(self.caps, self.config) for name, op in self.operations.items()}
         self.impl: Any = Watched(built, self)
         self.target: Any = built  # the implementation itself, for queries (:meth:`query`)
+        #: the known findings this run looks past (the machine option ``accept``: finding ids the implementation
+        #: declares, each with a documented behaviour the suite follows; :mod:`kvproof.conformance.findings`)
+        self.accepting: tuple[Finding, ...] = resolve_accepted(
+            binding.options.get("accept", ()), declared_findings(built) or declared_findings(binding.factory),
+            self.component.value if self.component is not None else "?", followed_by(type(self)))
 
     # ------------------------------------------------------------ declarations at work
 
@@ -759,12 +769,36 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         return (f"{self.impl_name} diverged from the reference [{label}] at step {len(self.trace)}:\n"
                 f"  {message}\n\noperations so far:\n{self.trace.render()}\n\n{self.binding.replay_hint}")
 
-    def fail(self, message: str) -> NoReturn:
-        """A verdict: raise :class:`LockstepFailure` with the full explanation (first told to ``stats.on_verdict``)."""
+    def fail(self, message: str, *, check: str = "other", detail: Mapping[str, Any] | None = None) -> NoReturn:
+        """A verdict: raise :class:`LockstepFailure` with the full explanation and its evidence (what ``check`` saw,
+        with its values ``detail``: :mod:`kvproof.conformance.findings`), first told to ``stats.on_verdict``."""
         text = self.verdict(message)
+        evidence = self.evidence(check, detail)
+        self.stats.evidence = evidence
         if self.stats.on_verdict is not None:
             self.stats.on_verdict(text, self.vector)
-        raise LockstepFailure(text)
+        raise LockstepFailure(text, evidence)
+
+    def evidence(self, check: str, detail: Mapping[str, Any] | None = None) -> Evidence:
+        """What a verdict of ``check`` at this point saw (the op, the step, the operations so far)."""
+        component = self.component.value if self.component is not None else "?"
+        ops = tuple(step[0].split("(", 1)[0] for step in self.trace.steps if step)
+        return Evidence(component, self.last_op, check, len(self.trace), ops, dict(detail or {}))
+
+    def looks_past(self, evidence: Evidence, **context: Any) -> bool:
+        """Whether the run looks past this occurrence: a finding it accepts (``Binding.accept``) matches the evidence
+        and the suite's method for the finding's behaviour (:func:`kvproof.conformance.findings.follows`) confirms
+        the implementation did exactly that and makes the reference do the same. Counted and noted in the trace."""
+        if not self.accepting:
+            return False
+        methods = followed_by(type(self))
+        for finding in self.accepting:
+            method = methods.get(finding.behaviour or "")
+            if method is not None and finding(evidence) and getattr(self, method)(evidence, **context):
+                self.stats.accepted[finding.id] += 1
+                self.trace.outcome(f" [known {finding.id}, looked past: {finding.behaviour}]")
+                return True
+        return False
 
     # ------------------------------------------------------------ one operation on both sides
 
@@ -790,11 +824,13 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         try:
             impl_result = impl_call()
         except PoolError as err:
-            self.fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded")
+            self.fail(f"{op} raised {type(err).__name__}: {err}; the reference succeeded", check="outcome",
+                      detail={"reference": "ok", "implementation": type(err).__name__})
         except LockstepFailure:
             raise
         except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
-            self.fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded")
+            self.fail(f"{op} crashed with {type(err).__name__}: {err}; the reference succeeded", check="crash",
+                      detail={"reference": "ok", "implementation": type(err).__name__})
         self.trace.outcome(" -> ok")
         self.stats.outcomes["ok"] += 1
         return ref_result, impl_result
@@ -805,6 +841,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         before = self.snapshot()
         self.trace.outcome(f" -> {kind.__name__}")
         self.stats.outcomes[kind.__name__] += 1
+        outcome = {"reference": kind.__name__}
         try:
             impl_call()
         except kind:
@@ -812,16 +849,29 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         except LockstepFailure:
             raise
         except PoolError as err:
-            self.fail(f"{op} raised {type(err).__name__} ({err}); the reference raised {kind.__name__} ({ref_err})")
+            self.fail(f"{op} raised {type(err).__name__} ({err}); the reference raised {kind.__name__} ({ref_err})",
+                      check="outcome", detail={**outcome, "implementation": type(err).__name__})
         except Exception as err:  # noqa: BLE001 - any crash of the implementation is a verdict
-            self.fail(f"{op} crashed with {type(err).__name__}: {err}; expected {kind.__name__} ({ref_err})")
+            self.fail(f"{op} crashed with {type(err).__name__}: {err}; expected {kind.__name__} ({ref_err})",
+                      check="crash", detail={**outcome, "implementation": type(err).__name__})
         else:
-            self.fail(f"{op} succeeded; the reference raised {kind.__name__}: {ref_err}")
-        if self.snapshot() != before:
+            self.fail(f"{op} succeeded; the reference raised {kind.__name__}: {ref_err}", check="outcome",
+                      detail={**outcome, "implementation": "ok"})
+        after = self.snapshot()
+        if after != before:
+            detail = {**outcome, **self.describe_change(before, after)}
+            if self.looks_past(self.evidence("unchanged_on_failure", detail), before=before, after=after,
+                               error=ref_err):
+                return
             self.fail(f"{op} failed with {kind.__name__} but changed the allocator (a failed operation must "
-                      "leave the state unchanged)")
+                      "leave the state unchanged)", check="unchanged_on_failure", detail=detail)
 
     # ------------------------------------------------------------ observing the implementation
+
+    def describe_change(self, before: Any, after: Any) -> dict[str, Any]:
+        """What changed between two snapshots, as plain values for the evidence of a verdict (a suite says it in its
+        own terms: which pages left which free list; by default nothing beyond the fact)."""
+        return {}
 
     def _deadline(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` under the per-operation timeout; a timeout is a verdict naming ``what`` and the step, and so is
@@ -831,12 +881,14 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         except OperationTimeout:
             message = self.verdict(f"{what} did not return within {self.op_timeout:g} s (hung); the run stops here")
             self.stats.hung, self.stats.hung_vector = message, list(self.vector)
-            raise LockstepFailure(message) from None
+            self.stats.evidence = self.evidence("hang", {"call": what})
+            raise LockstepFailure(message, self.stats.evidence) from None
         except BaseException as err:
             escaped = escape_message(what, err)
             if escaped is None:
                 raise
-            raise LockstepFailure(self.verdict(escaped)) from None
+            self.stats.evidence = self.evidence("crash", {"call": what, "implementation": type(err).__name__})
+            raise LockstepFailure(self.verdict(escaped), self.stats.evidence) from None
 
     def observe(self, what: str, fn: Callable[[], Any]) -> Any:
         """An observation of the implementation (``snapshot()``, sizes): any exception is a verdict."""

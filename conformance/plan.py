@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
 from kvproof.conformance.errors import ImplSpecError, RunInterrupted, UsageError
+from kvproof.conformance.findings import declared_findings, followed_by, unseen
 from kvproof.conformance.generation import forced_seed
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.lockstep import RunProgress
@@ -40,7 +41,7 @@ from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, Layer, info, parse_components
 
-__all__ = ["NO_SUITE", "Impl", "Plan", "PlannedTest", "RunEvents", "declared_components", "load_factory",
+__all__ = ["ACCEPTED", "NO_SUITE", "Impl", "Plan", "PlannedTest", "RunEvents", "declared_components", "load_factory",
            "load_impls", "plan", "run_plan", "run_planned"]
 
 #: The config column of a component skipped because it has no lockstep suite yet.
@@ -156,6 +157,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     #: chosen components without a suite, each with the registry's reason (reported as skipped)
     absent: tuple[tuple[Component, str], ...] = ()
+    #: the known findings the run looks past (``--accept``: kvproof.conformance.findings), by component
+    accepted: tuple[tuple[Component, str], ...] = ()
 
     def skipped(self) -> list[Outcome]:
         """The ``skipped`` outcome of every component without a suite."""
@@ -166,8 +169,13 @@ class Plan:
 
 
 def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (), labels: Sequence[str] = (),
-         selection: Selection | None = None, suite_options: Mapping[str, str] | None = None) -> Plan:
-    """The tests of a run (see the module docstring); :class:`UsageError` for a label no config has."""
+         selection: Selection | None = None, suite_options: Mapping[str, str] | None = None,
+         accept: Sequence[str] = ()) -> Plan:
+    """The tests of a run (see the module docstring); :class:`UsageError` for a label no config has.
+
+    ``accept``: ids of known findings to look past (:mod:`kvproof.conformance.findings`); each goes to the tests of
+    the components whose implementation declares it with a behaviour the suite follows, and one no test can take is
+    a :class:`UsageError` naming those that can."""
     wanted = parse_components(components)
     if not wanted:
         declared = [impl.serves for impl in impls]
@@ -182,20 +190,41 @@ def plan(components: Iterable[Component | str] = (), impls: Sequence[Impl] = (),
     selection = selection or Selection()
     chosen = dict(suite_options or {})
     tests = []
+    accepted: list[tuple[Component, str]] = []
     for suite in suites:
         impl = _impl_for(suite.component, impls)
         options = suite.options(chosen)
         option_args = suite.option_values(chosen)
+        mine = _acceptable(suite, impl, accept)
+        if mine:
+            options = {**options, "accept": mine}
+            accepted += [(suite.component, f) for f in mine]
         for cfg in suite.configs:
             if labels and cfg.label() not in labels:
                 continue
             test_id = f"{suite.component.value}/{cfg.label()}"
             tests.append(PlannedTest(suite.component, cfg, impl, options, option_args, selection.match(test_id)))
+    unknown_ids = [a for a in dict.fromkeys(accept) if a not in {f for _, f in accepted}]
+    if unknown_ids:
+        can = sorted({f"{f} ({suite.component.value})" for suite in suites
+                      for f in _acceptable(suite, _impl_for(suite.component, impls), None)})
+        raise UsageError(f"--accept {', '.join(unknown_ids)}: no component of this run can look past it (a finding "
+                         f"its implementation declares, with a behaviour the suite follows); choose from "
+                         f"{can or 'none'}")
     undeclared = [] if parse_components(components) else [
         f"{impl.spec} declares no `components`, so it runs every suite ({', '.join(c.value for c in wanted)}); "
         "declare the ones it implements, e.g. components = frozenset({Component.SWA_ALLOCATOR})"
         for impl in impls if impl.serves is None]
-    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()), absent)
+    return Plan(tuple(tests), tuple(impls), tuple(undeclared + selection.unmatched()), absent, tuple(accepted))
+
+
+def _acceptable(suite: Any, impl: Impl, wanted: Sequence[str] | None) -> tuple[str, ...]:
+    """The ids among ``wanted`` (``None``: all) of the findings ``impl`` declares for the suite's component with a
+    behaviour the suite follows."""
+    findings = declared_findings(impl.factory)
+    followed = set(followed_by(suite.machine))
+    can = [f.id for f in findings if suite.component.value in f.components and f.behaviour in followed]
+    return tuple(f for f in can if wanted is None or f in wanted)
 
 
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
@@ -286,6 +315,25 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
                 if on_report:
                     on_report(outcome.report)
             events.progressed(outcomes, state("running", None, i + 1))
+        outcomes += _unseen_accepted(the_plan, outcomes)
         info_ = state("complete", None, len(ids))
     events.progressed(outcomes, info_)
     return outcomes, info_
+
+
+#: The config column of the outcome that fails a run for an accepted finding it never saw.
+ACCEPTED = "(accepted, never seen)"
+
+
+def _unseen_accepted(the_plan: Plan, outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """A failed outcome for each finding the run was told to look past and none of its component's tests saw
+    (strict, as an expected failure that passes: the implementation changed, or the run cannot reach it)."""
+    out = []
+    for component, finding in the_plan.accepted:
+        counts = [o.report.accepted for o in outcomes if o.report is not None and o.component == component.value]
+        if unseen((finding,), counts):
+            out.append(Outcome(component.value, ACCEPTED, "failed",
+                               f"--accept {finding}: the run was told to look past {finding}, and it never occurred "
+                               f"in {len(counts)} run(s) of {component.value} (drop --accept {finding}: the "
+                               "implementation changed, or this run cannot reach it)"))
+    return out

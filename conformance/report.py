@@ -181,7 +181,8 @@ def _result(o: Outcome) -> dict[str, Any]:
                     "never_run": list(r.never_run), "failure": r.failure, "diagnosis": diagnosis(r.failure) or None,
                     "failure_file": r.failure_file, "vector": r.vector, "structure": r.structure,
                     "structure_targets": r.structure_targets,
-                    "structure_missed": {k: list(v) for k, v in r.structure_missed().items()}})
+                    "structure_missed": {k: list(v) for k, v in r.structure_missed().items()},
+                    "finding": r.finding or None, "evidence": r.evidence, "accepted": r.accepted})
     return out
 
 

@@ -31,12 +31,14 @@ from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.findings import Evidence, follows
 from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 from kvproof.reference.invariants import check_invariants
+from kvproof.reference.paged import LEAKED
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
 
@@ -103,6 +105,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         self.pending: Pending | None = None
         self.next_rid, self.tag = 1, 0
         self.layers: dict[str, set[int]] = {"full": set(), "swa": set()}  # layer ids written per pool
+        self.decoding: tuple[list[int], list[int]] | None = None  # the last alloc_decode's (seq_lens, last_loc)
+        self.followed: tuple[ref.SWAAllocatorState, ref.SWAAllocatorState] | None = None  # (before, after) F1
 
     # ------------------------------------------------------------ plumbing
 
@@ -168,6 +172,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         ext = sum(seq) - sum(pre)
         args = ", ".join(f"request {r}: {p}->{s}" for r, p, s in batch)
         if op == "alloc_decode":
+            self.decoding = (seq, last)  # what a follower of a failed decode needs (_alloc_decode_keeps_pages)
             out = self.call(op, args, lambda: ref.alloc_decode(self.ref, seq, last, owners=rids),
                             lambda: self.impl.alloc_decode(self._t(seq), self._cpu(seq),
                                                            self._last_loc_tensor(impl_last)))
@@ -187,7 +192,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         try:
             self.names.bind_full(op, list(ref_slots), impl_list)
         except Divergence as err:
-            self.fail(str(err))
+            self.fail(str(err), check="result", detail=err.detail)
         at = 0
         for rid, old, n in grown:
             if n or old:
@@ -274,18 +279,64 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                                           (ref.available_size(self.ref), ref.full_available_size(self.ref),
                                            ref.swa_available_size(self.ref)), sizes, strict=True):
                 if int(theirs) != mine:
-                    self.fail(f"{what}() = {theirs}, reference {mine}")
+                    self.fail(f"{what}() = {theirs}, reference {mine}", check="state",
+                              detail={"code": "available_size", "query": what, "implementation": int(theirs),
+                                      "reference": mine})
             written = [layer for layer in range(self.config.kv.num_layers) if ref.kv_written(self.ref, layer)]
             if written and self.supports(C.KV_BUFFER):  # a layer nobody wrote has no row to compare
                 buffers = self.query("get_kvcache().get_kv_buffer()",
                                      lambda impl: {layer: impl.get_kvcache().get_kv_buffer(layer) for layer in written})
                 self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap, buffers))
         except Divergence as err:
-            self.fail(str(err))
+            self.fail(str(err), check="state", detail=err.detail)
         self.trace.next_step()
 
     def _after_step(self) -> None:
         """Hook run after every step, before the comparison (a subclass may probe)."""
+
+    # ------------------------------------------------------------ evidence, and the documented behaviours followed
+
+    def describe_change(self, before: AllocatorSnapshot, after: AllocatorSnapshot) -> dict[str, Any]:
+        """Per pool, the implementation's pages that left its free list and those that joined it, and how many
+        mapping entries changed (the evidence of a failed call that changed the allocator)."""
+        out: dict[str, Any] = {}
+        for pool in ("full", "swa"):
+            b, a = getattr(before, pool).free_pages, getattr(after, pool).free_pages
+            out[f"{pool}_pages_taken"] = [g for g in b if g not in set(a)]
+            out[f"{pool}_pages_given"] = [g for g in a if g not in set(b)]
+        out["mapping_entries_changed"] = sum(x != y for x, y in zip(before.full_to_swa_index_mapping,
+                                                                      after.full_to_swa_index_mapping, strict=False))
+        return out
+
+    @follows("non-atomic alloc_decode")
+    def _alloc_decode_keeps_pages(self, evidence: Evidence, *, before: AllocatorSnapshot,
+                                  after: AllocatorSnapshot, error: Exception) -> bool:
+        """A failed ``alloc_decode`` that kept the pages of every pool that had room (SGLang 0.5.23, §2.11 R7: F1):
+        the reference leaks the same pages (``ref.leak_failed_alloc_decode``), bound to the implementation's, if the
+        implementation took exactly those, from the front of each free list, and changed nothing else."""
+        if evidence.op != "alloc_decode" or self.decoding is None:
+            return False
+        seq, last = self.decoding
+        leaked = ref.leak_failed_alloc_decode(self.ref, seq, last)
+        taken: dict[str, tuple[int, ...]] = {}
+        for pool in ("full", "swa"):
+            k = len(getattr(self.ref, pool).free_pages) - len(getattr(leaked, pool).free_pages)
+            b, a = getattr(before, pool).free_pages, getattr(after, pool).free_pages
+            if tuple(b[k:]) != tuple(a):
+                return False
+            taken[pool] = tuple(b[:k])
+        if after.full_to_swa_index_mapping != before.full_to_swa_index_mapping:
+            return False
+        # in the order the reference's free list handed them out, as the implementation's were taken (a sorted list
+        # would pair them crosswise once the free list is out of order: found by a fuzz campaign)
+        ref_pages = [g for g in self.ref.full.free_pages if leaked.full.owner[g] == LEAKED]
+        try:
+            for ref_page, impl_page in zip(ref_pages, taken["full"], strict=True):
+                self.names.bind_full_page("a leaked full page (F1 followed)", ref_page, impl_page)
+        except Divergence:
+            return False
+        self.followed, self.ref = (self.ref, leaked), leaked
+        return True
 
     def _compare_kv(self, snap: AllocatorSnapshot, buffers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every defined KV row of every live token, per layer, equals the implementation's row at its slot.
@@ -313,7 +364,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                 if tuple(have) != row:
                     kind = "SWA" if geo.is_swa_layer(layer) else "full"
                     self.fail(f"KV of layer {layer} ({kind}) for request {rid}: reference slot {a} holds {list(row)}, "
-                              f"implementation slot {b} holds {have}")
+                              f"implementation slot {b} holds {have}", check="kv",
+                              detail={"layer": layer, "pool": kind.lower()})
 
 
 class SWAAllocatorMachine(SWALockstep):

@@ -247,7 +247,7 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             want = want.model_copy(update={"commits": tuple(_released(c) for c in want.commits)})
             got = got.model_copy(update={"commits": tuple(_released(c) for c in got.commits)})
         if got.compared() != want.compared():
-            self.fail(f"{op}: {_report_difference(got, want)}")
+            self.fail(f"{op}: {_report_difference(got, want)}", check="result")
         if after.phase is Phase.MISMATCHED:
             self._judge(after, f"; {self.impl_name} saw it too ({got.detail or f'after {got.seconds:.1f} s'})")
         if after.phase in (Phase.COMMITTED, Phase.WAITING, Phase.REVOKED):
@@ -274,8 +274,11 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
             tp.check_tp_prefetch(state)
             tp.check_hit_counts(state)
         except InvariantViolation as err:
-            self.fail(f"the {state.config.variant.value} protocol breaks {err}{seen}\n  known finding: "
-                      f"{_finding(err, state)}")
+            finding = _finding(err, state)
+            self.fail(f"the {state.config.variant.value} protocol breaks {err}{seen}\n  known finding: {finding}",
+                      check="collective" if err.invariant == "T5" else "invariant",
+                      detail={"invariant": err.invariant, "finding": finding.split(" ", 1)[0],
+                              "variant": state.config.variant.value})
 
     # ------------------------------------------------------------ rules: the five operations of a check
 

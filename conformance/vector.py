@@ -140,6 +140,7 @@ class ReplayResult:
     config: str
     steps: int
     failure: str | None
+    evidence: dict[str, Any] | None = None  # the verdict's evidence (LockstepFailure.evidence), as JSON
 
     @property
     def passed(self) -> bool:
@@ -201,7 +202,9 @@ def replay(vector: dict[str, Any], machine: Any) -> ReplayResult:
     except VectorError:
         raise
     except Exception as err:  # noqa: BLE001 - the verdict is data here
-        return ReplayResult(component, label, done, f"{type(err).__name__}: {err}")
+        evidence: Any = getattr(err, "evidence", None)
+        return ReplayResult(component, label, done, f"{type(err).__name__}: {err}",
+                            None if evidence is None else evidence.to_json())
     return ReplayResult(component, label, done, None)
 
 

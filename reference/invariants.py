@@ -22,7 +22,7 @@ necessary: it returns ``True`` only for states every rule accepts.
 from __future__ import annotations
 
 from kvproof.reference.errors import ensure
-from kvproof.reference.paged import PagedPool
+from kvproof.reference.paged import LEAKED, PagedPool
 from kvproof.reference.swa_allocator import SWAAllocatorState, _live_mapping_holds, check_live_mapping
 
 __all__ = ["check_invariants", "check_pool"]
@@ -73,17 +73,19 @@ def _all_hold(state: SWAAllocatorState) -> bool:
     cfg, full, fill = state.config, state.full, state.fill
     n = cfg.num_pages_full
     return (_pool_holds(full) and _pool_holds(state.swa) and _mapping_holds(state) and n == full.num_pages
-            # ghost fill: 1..P live slots on each allocated page (_live_mapping_holds checks it), none on a free one
-            and _live_mapping_holds(state) and fill[1:n + 1].count(0) == len(full.free_pages))
+            # ghost fill: 1..P live slots on each allocated page (_live_mapping_holds checks it), none on a free or a
+            # leaked one
+            and _live_mapping_holds(state)
+            and fill[1:n + 1].count(0) == len(full.free_pages) + full.owner[1:].count(LEAKED))
 
 
 def _check_fill_and_mapping(state: SWAAllocatorState) -> None:
     """The ghost ``fill`` (G3) and M1, rule by rule."""
     cfg, p, mapping = state.config, state.config.page_size, state.full_to_swa_index_mapping
     owner, fill = state.full.owner, state.fill
-    # ghost fill: a free page has no live slot, an allocated one 1..P
+    # ghost fill: a free page has no live slot, an allocated one 1..P, a leaked one none
     bad_fill = [g for g in range(1, cfg.num_pages_full + 1)
-                if not ((1 <= fill[g] <= p) if owner[g] is not None else fill[g] == 0)]
+                if not ((1 <= fill[g] <= p) if owner[g] not in (None, LEAKED) else fill[g] == 0)]
     ensure(not bad_fill, "G3", lambda: ", ".join(f"page {g} has fill {fill[g]}" for g in bad_fill))
     # M1: sentinel, reserved page unmapped, values are 0 or real SWA slots
     ensure(len(mapping) == cfg.mapping_len and mapping[-1] == -1, "M1", "mapping lost its -1 sentinel")

@@ -25,10 +25,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Owner", "PagedPool", "initial_pool", "release_pages", "take_pages", "trusted", "trusted_pool"]
+__all__ = ["LEAKED", "Owner", "PagedPool", "initial_pool", "release_pages", "take_pages", "trusted", "trusted_pool"]
 
 #: Ghost owner label of a page: the id of the request holding it.
 Owner = int
+#: The ghost owner of pages an implementation's documented failure took and nobody holds (no live slot, no mapping);
+#: only a run that looks past such a finding (``kvproof.conformance.findings``) makes them, following it.
+LEAKED: Owner = -1
 
 
 class PagedPool(BaseModel):

@@ -76,7 +76,16 @@ from kvproof.reference.arith import ceil_div, extend_parts, num_new_pages
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure
 from kvproof.reference.kv import KVStore, Row, any_defined, empty_store, forget_rows, read_rows, write_rows
-from kvproof.reference.paged import Owner, PagedPool, initial_pool, release_pages, take_pages, trusted, trusted_pool
+from kvproof.reference.paged import (
+    LEAKED,
+    Owner,
+    PagedPool,
+    initial_pool,
+    release_pages,
+    take_pages,
+    trusted,
+    trusted_pool,
+)
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [
@@ -288,6 +297,34 @@ def alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int], last_loc: Se
     _check_swa_continuation(state, op, prefix_lens, seq_lens, last_loc)
     owners, next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
     return _extend_one_to_one(state, op, prefix_lens, seq_lens, last_loc, owners, next_owner)
+
+
+def leak_failed_alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int],
+                             last_loc: Sequence[int]) -> SWAAllocatorState:
+    """What SGLang 0.5.23's non-atomic ``alloc_decode`` leaves behind when it fails: not a kvproof operation, the
+    documented upstream behaviour a run follows to look past finding F1 (``docs/sglang-findings.md``).
+
+    Upstream calls the full pool's and the SWA pool's ``alloc_decode`` one after the other and returns ``None`` if
+    either was short, giving nothing back (§2.11 R7): each pool that had room for the batch's new pages (one per
+    request whose token opens a page) took them from the front of its free list. Here those pages go to the ghost
+    owner :data:`~kvproof.reference.paged.LEAKED`: no live slot, no mapping, held by nobody until ``clear``.
+    ``alloc_decode`` must fail on this state (:class:`InvalidOperation` otherwise: there is nothing to follow).
+    """
+    op = "leak_failed_alloc_decode"
+    try:
+        alloc_decode(state, seq_lens, last_loc)
+    except OutOfMemory:
+        pass
+    else:
+        raise InvalidOperation(op, "seq_lens", "alloc_decode succeeds on this state: no failure to follow")
+    p = state.config.page_size
+    k = sum(1 for s in seq_lens if (s - 1) % p == 0)
+    full, swa = state.full, state.swa
+    if k <= len(full.free_pages):
+        full, _ = take_pages(full, [LEAKED] * k)
+    if k <= len(swa.free_pages):
+        swa, _ = take_pages(swa, [LEAKED] * k)
+    return _replace(state, full=full, swa=swa)
 
 
 def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], seq_lens: Sequence[int],
@@ -778,7 +815,8 @@ def check_live_mapping(state: SWAAllocatorState) -> None:
     if _live_mapping_holds(state):
         return
     swa = state.swa
-    swa_owner = {h: who for h in range(1, swa.num_pages + 1) if (who := swa.owner[h]) is not None}
+    # a leaked SWA page is held by nobody: no live slot may map into it, and it need not be reached
+    swa_owner = {h: who for h in range(1, swa.num_pages + 1) if (who := swa.owner[h]) is not None and who != LEAKED}
     check_live_pairs(state.config.page_size, _live_pairs(state), state.full.owner, swa_owner)
 
 
@@ -806,6 +844,10 @@ def _live_mapping_holds(state: SWAAllocatorState) -> bool:
     # the allocated pages (is_allocated: 1..n with an owner)
     for g in compress(range(n + 1), map(is_not, owner, repeat(None))):
         live = fill[g]
+        if owner[g] == LEAKED:  # a leaked page (leak_failed_alloc_decode): nothing live, nothing mapped
+            if not g or live or any(mapping[g * p:g * p + p]):
+                return False
+            continue
         if not (g and 0 < live <= p):
             return False
         base = g * p
@@ -820,8 +862,8 @@ def _live_mapping_holds(state: SWAAllocatorState) -> bool:
                 or (live > 1 and mapping[base:base + live] != tuple(range(s, s + live)))):
             return False
         reached.add(h)
-    # G3: every owned SWA page is reached
-    return len(reached) == n_swa - swa_owner[1:].count(None)
+    # G3: every owned SWA page is reached (a leaked one is held by nobody)
+    return len(reached) == n_swa - swa_owner[1:].count(None) - swa_owner[1:].count(LEAKED)
 
 
 def check_live_pairs(page_size: int, live: Iterable[tuple[int, int]], full_owner: Sequence[Owner | None],

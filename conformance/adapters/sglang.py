@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from kvproof.conformance.adapters.sglang_known import FINDINGS
 from kvproof.conformance.errors import UsageError
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
@@ -218,6 +219,7 @@ class SGLangSWAAllocator:
     """SGLang 0.5.23's ``SWATokenToKVPoolAllocator`` + ``SWAKVPool``, failure by exception, observation by snapshot."""
 
     components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
+    findings = FINDINGS  # what kvproof found in it, matched by evidence (docs/sglang-findings.md)
 
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         self.sglang = load_sglang()

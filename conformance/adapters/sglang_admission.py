@@ -76,6 +76,7 @@ from kvproof.conformance.adapters.sglang import (
     load_sglang,
     sglang_available,
 )
+from kvproof.conformance.adapters.sglang_known import FINDINGS
 from kvproof.reference import admission as ad
 from kvproof.reference.admission import (
     AddReqResult,
@@ -293,6 +294,7 @@ class SGLangAdmission:
     """SGLang 0.5.23's ``PrefillAdder`` / ``SWAPrefillBudget`` over its real SWA allocator and a stand-in tree."""
 
     components = frozenset({Component.ADMISSION})
+    findings = FINDINGS  # what kvproof found in it, matched by evidence (docs/sglang-findings.md)
     capabilities: frozenset[Capability] = frozenset()
 
     def __init__(self, setup: AdmissionSetup, device: str = "cpu") -> None:

@@ -4,8 +4,12 @@ Written up in ``docs/sglang-findings.md``. :data:`FINDINGS` lists every divergen
 the suites report against ``kvproof.conformance.adapters.sglang:SGLangSWAAllocator``
 (``swa_allocator``, ``loc_cache``, ``decode_prealloc``),
 ``kvproof.conformance.adapters.sglang_host:SGLangHostPool`` (``hisparse_host``) and
-``kvproof.conformance.adapters.sglang_admission:SGLangAdmission`` (``admission``); :func:`classify` maps a
-failure message to its finding (``None``: an unexplained divergence, which is new).
+``kvproof.conformance.adapters.sglang_admission:SGLangAdmission`` (``admission``) and
+``kvproof.conformance.adapters.sglang_tp_prefetch:SGLangTPPrefetch`` (``tp_prefetch``), each matched by the
+evidence of a verdict (:mod:`kvproof.conformance.findings`: the operation, the check, what changed), never by its
+wording; the adapters declare them (their ``findings``), so every report labels a failure with its finding or
+``new``, and ``--accept F1`` looks past F1 (the suite follows the documented non-atomic ``alloc_decode``).
+:func:`classify` maps a report's evidence to its finding (``None``: new).
 The ``reproduce_*`` functions build SGLang's classes directly (no kvproof adapter in
 the loop) and return what they observed; ``tests/adapters/test_sglang.py`` asserts
 on them, so a SGLang release that changes the behaviour makes those tests fail.
@@ -13,71 +17,21 @@ on them, so a SGLang release that changes the behaviour makes those tests fail.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvproof.conformance.adapters.sglang_known import FINDINGS, classify
+
 __all__ = [
     "FINDINGS",
-    "Finding",
     "classify",
     "reproduce_alloc_decode_leak",
+    "reproduce_alloc_decode_leak_mirror",
     "reproduce_host_backup_not_atomic",
     "reproduce_p1_free_released_swa",
     "reproduce_window_tombstone_starves",
 ]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One documented divergence: its id, a title, its classification, and how the harness words it."""
-
-    id: str
-    title: str
-    kind: str  # "sglang-bug" or "model-gap"
-    patterns: tuple[str, ...]  # regexes over the harness's failure message
-
-    def matches(self, failure: str) -> bool:
-        return any(re.search(p, failure) for p in self.patterns)
-
-
-FINDINGS: tuple[Finding, ...] = (
-    Finding("F1", "alloc_decode is not atomic: a short SWA pool leaks the full pages it already took (R7)",
-            "sglang-bug", (r"alloc_decode failed with OutOfMemory but changed the allocator",
-                           r"alloc_decode: .*SGLang returned None but did not roll back")),
-    Finding("F2", "P == 1: free / free_swa of a full slot whose SWA peer is already released puts the reserved "
-                  "SWA slot 0 into the free list", "model-gap",
-            (r"swa pool: implementation has \d+ free pages \[[^\]]*\b0\b",
-             r"swa pool: implementation free list contains the reserved page 0",
-             r"free(_swa)? crashed with AssertionError",
-             r"swa pool: implementation free list has a duplicate page")),
-    # hisparse_host (adapters.sglang_host:SGLangHostPool)
-    Finding("F3", "hisparse_host: the eager backup of a decode batch is not failure-atomic: a short host pool "
-                  "raises after earlier requests took pages and after every skip-first-backup flag of the batch "
-                  "was consumed (documented difference: upstream's RuntimeError is fatal)", "model-gap",
-            (r"eager_backup_previous_token failed with OutOfMemory but changed the allocator",
-             r"eager_backup_previous_token: .*SGLang did not roll back",
-             r"eager_backup_previous_token returned \d+ indices, the reference returned \d+")),
-    # admission (adapters.sglang_admission:SGLangAdmission, --budget upstream_0523)
-    Finding("F4", "admission: SWAPrefillBudget refuses forever, on an idle pool, a request whose sliding window "
-                  "holds a host tombstone longer than the SWA pool (S9 persists in 0.5.23: the match counts whole "
-                  "tombstones, the never-fits chunk cap subtracts them too)", "sglang-bug",
-            (r"liveness violated: .*\(S9: the budget charges the window's host tombstones whole.*policy "
-             r"upstream_0523\)",)),
-    Finding("F5", "admission: 0.5.23's selection pin of the match's last device node makes SWAPrefillBudget count "
-                  "device SWA outside the request's window as taken: a request whose window is a host tombstone "
-                  "under a Full host prefix is refused forever on an idle pool it fits", "sglang-bug",
-            (r"liveness violated: .*\(the selection pin of node -?\d+, the match's last device node, protects "
-             r"\d+ device SWA page\(s\) outside the request's window, policy upstream_0523\)",)),
-)
-
-
-def classify(failure: str) -> Finding | None:
-    """The documented finding a harness failure message shows, or ``None`` if it is not one of them."""
-    head = failure.split("operations so far:", 1)[0]
-    return next((f for f in FINDINGS if f.matches(head)), None)
 
 
 # ---------------------------------------------------------------- reproductions in SGLang's terms
@@ -106,6 +60,20 @@ def reproduce_alloc_decode_leak() -> dict[str, Any]:
     a.free(loc)  # the request ends
     return {"result": out, "before": before, "after": after, "full_free_after_release": a.full_available_size(),
             "size_full": a.size_full}
+
+
+def reproduce_alloc_decode_leak_mirror() -> dict[str, Any]:
+    """F1's mirror: the *full* pool is the short one. ``alloc_decode`` calls the SWA allocator anyway (both calls
+    come before the ``None`` check), so the SWA page it took leaks. Three requests fill the full pool; window
+    evictions (``free_swa`` of each one's first page) leave one SWA page free."""
+    a = _sglang_allocator(size=16, size_swa=8, page_size=4)
+    first = a.alloc_extend(_t(0), _t(0), _t(8), _t(8), _t(-1), 8)
+    a.free_swa(first[:4])
+    for _ in range(2):
+        a.free_swa(a.alloc_extend(_t(0), _t(0), _t(4), _t(4), _t(-1), 4)[:4])
+    before = (a.full_available_size(), a.swa_available_size())  # (0, 4)
+    out = a.alloc_decode(_t(9), _t(9), first[-1:])  # position 8 opens a new page: the full pool has none
+    return {"result": out, "before": before, "after": (a.full_available_size(), a.swa_available_size())}
 
 
 def reproduce_p1_free_released_swa() -> dict[str, Any]:

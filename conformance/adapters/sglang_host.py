@@ -88,6 +88,7 @@ from kvproof.conformance.adapters.sglang import (
     load_sglang,
     sglang_available,
 )
+from kvproof.conformance.adapters.sglang_known import FINDINGS
 from kvproof.conformance.errors import HarnessBug
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import ConfigError, OutOfMemory
@@ -168,6 +169,7 @@ class SGLangHostPool:
     :class:`~kvproof.reference.contract.HostPoolUnderTest`."""
 
     components = frozenset({Component.HISPARSE_HOST})
+    findings = FINDINGS  # what kvproof found in it, matched by evidence (docs/sglang-findings.md)
     capabilities = CAPABILITIES
     device = torch.device("cpu")
 

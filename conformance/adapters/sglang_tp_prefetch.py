@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvproof.conformance.adapters.sglang_known import FINDINGS
 from kvproof.gpu_runtime import _ranks
 from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
 
@@ -1008,6 +1009,7 @@ class SGLangTPPrefetch(TPPrefetchRuntime):
     release queue, the IO thread) all ends in the same drains here: it declares no ``SLOT_RELEASE_PATHS``."""
 
     capabilities = frozenset()
+    findings = FINDINGS  # what kvproof found in it, matched by evidence (docs/sglang-findings.md)
     worker = "kvproof.conformance.adapters.sglang_tp_prefetch:SGLangRank"
     purpose = "sglang"
     start_seconds = 90.0  # each rank imports SGLang and builds its cache when its worker is built

@@ -55,17 +55,17 @@ def test_every_config_has_an_expected_outcome() -> None:
 
 
 def test_classify_names_f4_and_f5_by_the_reason_not_the_headline() -> None:
-    head = ("LockstepFailure: x diverged [c] at step 8:\n  liveness violated: request 0 (...) was refused in 2 idle "
-            "rounds")
-    f4 = (f"{head} (...) although it fits the empty pool; ... (S9: the budget charges the window's host tombstones "
-          "whole, 24 tokens, where load-back within the window needs 4, policy upstream_0523)")
-    f5 = (f"{head} (...) although it fits the empty pool; ... (the selection pin of node 0, the match's last device "
-          "node, protects 2 device SWA page(s) outside the request's window, policy upstream_0523)")
-    assert sglang_findings.classify(f4).id == "F4"
-    assert sglang_findings.classify(f5).id == "F5"
+    """Both are liveness verdicts with the same headline; the evidence's reason and policy tell them apart."""
+    from kvproof.conformance.findings import Evidence
+
+    def starved(reason: str, policy: str = "upstream_0523") -> Evidence:
+        return Evidence("admission", "add_one_req", "liveness", 8, detail={"reason": reason, "policy": policy})
+
+    assert sglang_findings.classify(starved("tombstones_charged_whole")).id == "F4"
+    assert sglang_findings.classify(starved("selection_pin")).id == "F5"
     # the same reasons under another policy are not SGLang 0.5.23's, and a plain divergence is new
-    assert sglang_findings.classify(f4.replace("upstream_0523", "upstream_27391")) is None
-    assert sglang_findings.classify(f"{head.split('liveness')[0]}available SWA pages 8, reference 6") is None
+    assert sglang_findings.classify(starved("tombstones_charged_whole", "upstream_27391")) is None
+    assert sglang_findings.classify(Evidence("admission", "add_one_req", "state", 8)) is None
 
 
 # ---------------------------------------------------------------- with SGLang
@@ -108,8 +108,8 @@ def test_lockstep_with_the_reference_ends_as_documented(sched: adapter.SGLangSch
         if name == "unaligned_chunk":  # chunks continued through SGLang's own add_chunked_req
             assert report.calls.get("add_chunked_req", 0) > 0 and report.calls.get("cache_unfinished_req", 0) > 0
     else:
-        finding = sglang_findings.classify(report.failure or "")
-        assert finding is not None and finding.id == EXPECTED[name], report.failure
+        finding = sglang_findings.classify(report.evidence)
+        assert finding is not None and finding.id == EXPECTED[name] == report.finding, report.failure
 
 
 @needs_sglang

@@ -58,11 +58,11 @@ def test_capabilities_are_declared() -> None:
 
 
 def test_classify_names_f3() -> None:
-    head = "LockstepFailure: x diverged [P1-H20-R3-C9] at step 6:\n  "
-    for message in ("eager_backup_previous_token failed with OutOfMemory but changed the allocator (...)",
-                    "eager_backup_previous_token returned 1 indices, the reference returned 0"):
-        assert sglang_findings.classify(head + message).id == "F3"
-    assert sglang_findings.classify(head + "host data of request slot 0 position 3 reads 7, written 9") is None
+    from kvproof.conformance.findings import Evidence
+
+    for check in ("unchanged_on_failure", "result"):
+        assert sglang_findings.classify(Evidence("hisparse_host", "eager_backup_previous_token", check, 6)).id == "F3"
+    assert sglang_findings.classify(Evidence("hisparse_host", "eager_backup_previous_token", "kv", 6)) is None
 
 
 # ---------------------------------------------------------------- with SGLang

@@ -346,3 +346,35 @@ def test_a_redis_url_without_a_server_is_a_usage_error(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # nothing listens there
     out = _fuzz(tmp_path, "--component", "hisparse_host", "--steps", "10", "--db", f"redis://127.0.0.1:{port}/0")
     assert out.returncode == 2 and "the Redis server does not answer" in out.stdout
+
+
+def _hisparse_campaign(scratch: Path) -> tuple[str, str, int]:
+    from kvproof.conformance.fuzz import Campaign, plan_campaign
+    from kvproof.conformance.plan import load_impls, plan
+    from kvproof.reference.registry import Component
+
+    tests = plan((Component.HISPARSE_HOST,), load_impls(()), (), None, {}).tests
+    with contextlib.chdir(scratch):
+        campaign = Campaign(plan_campaign(tests, Budget(steps=300), workers=1, seed=7, engine="hypothesis",
+                                          fresh=True, db=str(scratch / "db")))
+        status = campaign.run()
+    assert not campaign.failures and not campaign.errors, (campaign.failures, campaign.errors)
+    return status, campaign.fingerprint(), campaign.total_steps
+
+
+def test_workers_are_spawned_when_this_process_cannot_fork_them(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the parent has initialised CUDA (``kvproof bench`` measures the runtime on the device before its fuzz
+    section), a forked worker cannot use the device: the campaign spawns its workers instead, and a spawned
+    campaign runs the same runs as a forked one (found on an H200: every bench worker failed to build its
+    runtime)."""
+    import kvproof.conformance.fuzz as fuzz
+
+    assert fuzz.start_method() == "fork"
+    (tmp_path / "fork").mkdir()
+    forked = _hisparse_campaign(tmp_path / "fork")
+    monkeypatch.setattr(fuzz, "fork_problem", lambda: "CUDA is initialised in this process")
+    assert fuzz.start_method() == "spawn"
+    (tmp_path / "spawn").mkdir()
+    spawned = _hisparse_campaign(tmp_path / "spawn")
+    assert forked == spawned and forked[0] == "complete" and forked[2] >= 300
