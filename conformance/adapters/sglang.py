@@ -76,6 +76,7 @@ __all__ = [
     "SGLangKVPool",
     "SGLangModules",
     "SGLangSWAAllocator",
+    "SGLangSWAAllocatorSorted",
     "capabilities_for",
     "import_sglang_modules",
     "load_sglang",
@@ -220,6 +221,7 @@ class SGLangSWAAllocator:
 
     components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
     findings = FINDINGS  # what kvproof found in it, matched by evidence (docs/sglang-findings.md)
+    need_sort = False  # SGLang's constructor argument (SGLangSWAAllocatorSorted: True)
 
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         self.sglang = load_sglang()
@@ -234,12 +236,13 @@ class SGLangSWAAllocator:
             full_attention_layer_ids=list(geo.full_attention_layer_ids), device=device)
         self.allocator = self.sglang.SWATokenToKVPoolAllocator(
             config.size_full, config.size_swa, config.page_size, _DTYPES[geo.dtype], device, self.kvcache,
-            need_sort=False)
+            need_sort=self.need_sort)
         self._kv = SGLangKVPool(self)
         self._graph: tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
-        return f"SGLangSWAAllocator(sglang {self.sglang.version}, {self.config.label()}, device={self.device})"
+        return (f"{type(self).__name__}(sglang {self.sglang.version}, {self.config.label()}, device={self.device}, "
+                f"need_sort={self.need_sort})")
 
     # ------------------------------------------------------------ allocation: None -> OutOfMemory
 
@@ -381,3 +384,22 @@ class SGLangSWAAllocator:
 
     def replay(self) -> None:
         raise NotImplementedError("no CUDA graphs on CPU (Capability.GRAPH_CAPTURE is not declared)")
+
+
+class SGLangSWAAllocatorSorted(SGLangSWAAllocator):
+    """The same allocator as prefill/decode-disaggregated servers build it: ``need_sort=True``.
+
+    Frees are staged (``release_pages`` at P == 1, ``staged_pages`` at P > 1) and merged into the free list, sorted,
+    when an allocation finds the free list short (``alloc``: the pages it needs; ``alloc_extend``: the upper bound
+    ``extend_num_tokens // P + bs + 1``; ``alloc_decode``: ``bs``), sglang_semantics.md §1.2-§1.3. Every staged page
+    counts as available. kvproof's reference does not model the staged order, so this variant does not declare
+    ``EXACT_PAGE_ORDER``: the suites check everything else (which pages are free, owned and mapped, each pool's count,
+    the KV rows, atomicity up to the order of a free list) and pair the pages by renaming.
+    """
+
+    need_sort = True
+
+    def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
+        super().__init__(config, device)
+        self.capabilities = self.capabilities - {C.EXACT_PAGE_ORDER}
+

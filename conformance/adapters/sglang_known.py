@@ -45,9 +45,12 @@ def _starved(reason: str) -> Any:
 
 FINDINGS: tuple[Finding, ...] = (
     Finding("F1", "alloc_decode is not atomic: a short pool leaks the pages the other pool's call already took (R7)",
-            "sglang-bug", _SWA, _alloc_decode_kept_pages, behaviour="non-atomic alloc_decode"),
+            "sglang-hazard", _SWA, _alloc_decode_kept_pages, behaviour="non-atomic alloc_decode"),
+    # ^ reclassified from sglang-bug: 0.5.23's only caller (alloc_for_decode) is guarded exactly, in pages, on both
+    #   pools (ScheduleBatch.check_decode_mem), and a None there is a fatal RuntimeError (docs/sglang-findings.md)
     Finding("F2", "P == 1: free / free_swa of a full slot whose SWA peer is already released puts the reserved "
-                  "SWA slot 0 into the free list", "model-gap", _SWA, _slot_zero_freed),
+                  "SWA slot 0 into the free list (the segment calls do it at every P); SGLang's own swa.peer_mapped "
+                  "check names it caller misuse and no 0.5.23 caller commits it", "model-gap", _SWA, _slot_zero_freed),
     # hisparse_host (adapters.sglang_host:SGLangHostPool)
     Finding("F3", "hisparse_host: the eager backup of a decode batch is not failure-atomic: a short host pool "
                   "raises after earlier requests took pages and after every skip-first-backup flag of the batch "
@@ -57,11 +60,11 @@ FINDINGS: tuple[Finding, ...] = (
     Finding("F4", "admission: SWAPrefillBudget refuses forever, on an idle pool, a request whose sliding window "
                   "holds a host tombstone longer than the SWA pool (S9 persists in 0.5.23: the match counts whole "
                   "tombstones, the never-fits chunk cap subtracts them too)", "sglang-bug", ("admission",),
-            _starved("tombstones_charged_whole")),
+            _starved("tombstones_charged_whole"), behaviour="starves forever"),
     Finding("F5", "admission: 0.5.23's selection pin of the match's last device node makes SWAPrefillBudget count "
                   "device SWA outside the request's window as taken: a request whose window is a host tombstone "
                   "under a Full host prefix is refused forever on an idle pool it fits", "sglang-bug",
-            ("admission",), _starved("selection_pin")),
+            ("admission",), _starved("selection_pin"), behaviour="starves forever"),
     # tp_prefetch (adapters.sglang_tp_prefetch:SGLangTPPrefetch, --ranks host_pressure)
     Finding("F6", "tp_prefetch: rank-local host pressure breaks T1: a rank stages fewer Full pages than the synced "
                   "hit after the sync, so the ranks expect different lengths and one inserts while the other "

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import settings
 
 from kvproof.conformance.adapters import install_sglang, sglang_findings
@@ -225,6 +226,61 @@ def test_looking_past_f1_every_page_size_runs_its_whole_budget(sglang_modules, c
     assert seen["P1-W3-F12-S8"] == 0 and sum(seen.values()) > 0, seen
     if component != "decode_prealloc":  # the allocator rules decode into a short SWA pool at every P > 1
         assert all(n > 0 for label, n in seen.items() if not label.startswith("P1-")), seen
+
+
+class _MergeDropsAPage(adapter.SGLangSWAAllocatorSorted):
+    """Test the tester: a need_sort merge that loses one staged page of the full pool (a real merge bug's shape)."""
+
+    def __init__(self, config, device="cpu"):
+        super().__init__(config, device)
+        pool = self.allocator.full_attn_allocator
+        merge = pool.merge_and_sort_free
+
+        def lossy() -> None:
+            staged = pool.staged_pages if self.page_size > 1 else pool.release_pages
+            if len(staged) and (self.page_size == 1 or sum(len(x) for x in staged)):
+                if self.page_size > 1:
+                    pool.staged_pages = [torch.cat(list(staged))[1:]]
+                    pool.num_staged_pages -= 1
+                else:
+                    pool.release_pages = staged[1:]
+            merge()
+
+        pool.merge_and_sort_free = lossy
+
+
+@needs_sglang
+def test_need_sort_stages_frees_and_merges_them_sorted_when_the_free_list_runs_short(sglang_modules) -> None:
+    """The production variant really stages: frees wait in staged_pages (counted as available, not handed out), and an
+    allocation that finds the free list short merges them, sorted."""
+    from kvproof.reference.config import PoolConfig
+
+    a = adapter.SGLangSWAAllocatorSorted(PoolConfig(size_full=16, size_swa=8, page_size=2, sliding_window_size=3))
+    assert C.EXACT_PAGE_ORDER not in a.capabilities and a.allocator.full_attn_allocator.need_sort
+    t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    loc = a.alloc_extend(t(0), t(0), t(6), t(6), t(-1), 6)  # full pages 1-3 of 8, SWA 1-3 of 4
+    a.free(loc)
+    full = a.allocator.full_attn_allocator
+    assert sorted(int(x) for x in torch.cat(full.staged_pages).tolist()) == [1, 2, 3]
+    assert full.free_pages.tolist() == [4, 5, 6, 7, 8] and a.allocator.full_available_size() == 16
+    assert sorted(a.snapshot().full.free_pages) == list(range(1, 9))  # the snapshot sees the staged pages
+    a.alloc_extend(t(0), t(0), t(8), t(8), t(-1), 8)  # bound 8 // 2 + 1 + 1 = 6 > 5 free: merge, sorted, then take
+    assert full.staged_pages == [] and full.free_pages.tolist() == [5, 6, 7, 8]
+
+
+@needs_sglang
+def test_need_sort_variant_runs_past_f1_and_its_merges_are_checked(sglang_modules) -> None:
+    """need_sort=True (disaggregated servers) on every config, past F1; a merge that loses a staged page is caught.
+    (``kvproof conform --impl ...:SGLangSWAAllocatorSorted`` runs loc_cache and decode_prealloc on it too.)"""
+    component = "swa_allocator"
+    for config in CONFORMANCE_CONFIGS:
+        report = run_check(component, adapter.SGLangSWAAllocatorSorted, config, profile="ci", failures_dir=None,
+                           accept=("F1",))
+        assert report.passed, report.failure
+    caught = [run_check(component, _MergeDropsAPage, config, profile="ci", failures_dir=None, accept=("F1",))
+              for config in CONFORMANCE_CONFIGS[:2]]
+    assert all(not r.passed for r in caught), [r.failure for r in caught]
+    assert all(r.finding == "new" for r in caught), [r.finding for r in caught]
 
 
 @needs_sglang

@@ -113,6 +113,17 @@ def test_lockstep_with_the_reference_ends_as_documented(sched: adapter.SGLangSch
 
 
 @needs_sglang
+@pytest.mark.parametrize("name", ["long_tombstone", "host_prefix", "no_chunk"])
+def test_looking_past_f4_and_f5_runs_the_whole_budget(sched: adapter.SGLangSchedulerModules, name: str) -> None:
+    """``--accept F4 --accept F5``: each starved request is set aside on both sides (both refused it alike) and the
+    run serves the requests behind it, to its whole ``ci`` budget; each occurrence is counted."""
+    report = run_check("admission", adapter.SGLangAdmission, BY_NAME[name], profile="ci", failures_dir=None,
+                       policy="upstream_0523", isolation="in-process", accept=("F4", "F5"))
+    assert report.passed, report.failure
+    assert report.accepted[EXPECTED[name]] > 0 and report.steps > 1000, (report.accepted, report.steps)
+
+
+@needs_sglang
 def test_f4_a_window_tombstone_longer_than_the_pool_is_refused_in_every_round(sched: Any) -> None:
     seen = sglang_findings.reproduce_window_tombstone_starves()
     assert seen["remaining_swa"] == seen["size_swa"] == 16  # an empty, idle pool

@@ -348,33 +348,36 @@ def test_a_redis_url_without_a_server_is_a_usage_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "the Redis server does not answer" in out.stdout
 
 
-def _hisparse_campaign(scratch: Path) -> tuple[str, str, int]:
-    from kvproof.conformance.fuzz import Campaign, plan_campaign
-    from kvproof.conformance.plan import load_impls, plan
-    from kvproof.reference.registry import Component
+SPAWNED_CAMPAIGN = """
+import contextlib, json, sys
+import kvproof.conformance.fuzz as fuzz
+from kvproof.conformance.plan import load_impls, plan
+from kvproof.reference.registry import Component
 
-    tests = plan((Component.HISPARSE_HOST,), load_impls(()), (), None, {}).tests
-    with contextlib.chdir(scratch):
-        campaign = Campaign(plan_campaign(tests, Budget(steps=300), workers=1, seed=7, engine="hypothesis",
-                                          fresh=True, db=str(scratch / "db")))
-        status = campaign.run()
-    assert not campaign.failures and not campaign.errors, (campaign.failures, campaign.errors)
-    return status, campaign.fingerprint(), campaign.total_steps
+if sys.argv[1] == "spawn":
+    fuzz.fork_problem = lambda: "CUDA is initialised in this process"  # as after kvproof bench's CUDA sections
+tests = plan((Component.HISPARSE_HOST,), load_impls(()), (), None, {}).tests
+campaign = fuzz.Campaign(fuzz.plan_campaign(tests, fuzz.Budget(steps=300), workers=1, seed=7, engine="hypothesis",
+                                            fresh=True, db="db"))
+status = campaign.run()
+print(json.dumps([fuzz.start_method(), status, campaign.fingerprint(), campaign.total_steps,
+                  len(campaign.failures) + len(campaign.errors)]))
+"""
 
 
-def test_workers_are_spawned_when_this_process_cannot_fork_them(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_are_spawned_when_this_process_cannot_fork_them(tmp_path: Path) -> None:
     """Once the parent has initialised CUDA (``kvproof bench`` measures the runtime on the device before its fuzz
     section), a forked worker cannot use the device: the campaign spawns its workers instead, and a spawned
     campaign runs the same runs as a forked one (found on an H200: every bench worker failed to build its
-    runtime)."""
-    import kvproof.conformance.fuzz as fuzz
-
-    assert fuzz.start_method() == "fork"
-    (tmp_path / "fork").mkdir()
-    forked = _hisparse_campaign(tmp_path / "fork")
-    monkeypatch.setattr(fuzz, "fork_problem", lambda: "CUDA is initialised in this process")
-    assert fuzz.start_method() == "spawn"
-    (tmp_path / "spawn").mkdir()
-    spawned = _hisparse_campaign(tmp_path / "spawn")
-    assert forked == spawned and forked[0] == "complete" and forked[2] >= 300
+    runtime). Each campaign runs in its own process: a spawn context leaves multiprocessing's resource tracker
+    running until its parent exits."""
+    seen = []
+    for mode in ("fork", "spawn"):
+        (tmp_path / mode).mkdir()
+        out = subprocess.run([sys.executable, "-c", SPAWNED_CAMPAIGN, mode], cwd=tmp_path / mode, capture_output=True,
+                             text=True, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (fork_method, *forked), (spawn_method, *spawned) = seen
+    assert (fork_method, spawn_method) == ("fork", "spawn")
+    assert forked == spawned and forked[0] == "complete" and forked[2] >= 300 and forked[3] == 0
