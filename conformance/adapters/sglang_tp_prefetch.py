@@ -459,7 +459,7 @@ class SGLangRankWorker:
                 if info.path_start >= off and info.node_id != self.anchor:
                     out.append({"id": info.node_id, "length": info.path_end - info.path_start,
                                 "swa_host": bool(core.component_has_host_value_only(info.node_id, self.CT.SWA)),
-                                "full_vals": None, "swa_vals": None})
+                                "full_vals": None, "swa_vals": None, "swa_first": None})
             return out
         node, pos = core.node_by_id(self.anchor), 0
         while True:
@@ -471,7 +471,8 @@ class SGLangRankWorker:
             swa = child.component_data[self.CT.SWA].host_value
             out.append({"id": child.id, "length": len(child.key), "swa_host": swa is not None,
                         "full_vals": set() if full is None else set(full.tolist()),
-                        "swa_vals": set() if swa is None else set(swa.tolist())})
+                        "swa_vals": set() if swa is None else set(swa.tolist()),
+                        "swa_first": None if swa is None or not len(swa) else int(swa[0])})  # its first position's slot
             pos += len(child.key)
             node = child
 
@@ -963,7 +964,9 @@ class SGLangRank:
         tree_nodes, ends, pos = [], set(), 0
         for n in nodes:
             attached = sorted({swa_page[s] for s in n["swa_vals"] if s in swa_page})
-            first = min(n["swa_vals"]) if attached else None
+            # the slot of the node's first position (host slots need not ascend with positions: after frees a page
+            # with a lower id can hold a later position; the lowest id named the wrong token: found by a campaign)
+            first = n["swa_first"] if attached else None
             key = w.storage.written.get(first) if first is not None else None
             tree_nodes.append(TreeNode(length=n["length"], swa_host=n["swa_host"],
                                        inserted=bool(n["full_vals"] & set(staging["full"])),

@@ -397,6 +397,22 @@ def test_the_lockstep_suite_drives_sglang_against_upstream_0523(config: str) -> 
     assert report.steps >= 100 and report.never_run == () and report.calls["handle_prefetch_result"] > 10
 
 
+def test_a_window_in_host_slots_out_of_order_is_read_from_its_first_position() -> None:
+    """Found by the deep campaign (root_short, 35 steps, shrunk by rounds to 23): after earlier rounds freed host
+    pages, the window attached at the last commit sits in host SWA slots whose ids do not ascend with the positions.
+    The adapter read the window's source from the lowest slot id (the KV of tokens 8-9, not 4-5) and reported a T3
+    divergence SGLang did not make; it reads the node's first slot now. The vector replays, and passes, on SGLang."""
+    from pathlib import Path
+
+    from kvproof.conformance.adapters.sglang_tp_prefetch import SGLangTPPrefetch
+    from kvproof.conformance.check import replay_vector
+    from kvproof.conformance.vector import load_vector
+
+    vector = load_vector(Path(__file__).with_name("vectors") / "tp_prefetch_root_short_swa_slots_out_of_order.json")
+    result = replay_vector(vector, SGLangTPPrefetch, op_timeout=60)
+    assert result.passed and result.steps == len(vector["steps"]) == 23, result.failure
+
+
 def test_the_suite_finds_f6_on_sglang_under_host_pressure() -> None:
     """``--ranks host_pressure``: ranks that agree on everything but their free Full host pages at hit time. The suite
     finds F6 on the real code, shrunk to one check, classified (the reference breaks T1 the same way)."""
