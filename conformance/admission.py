@@ -369,9 +369,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
                           f"(nothing admitted, running, locked or reserved; rem_swa_tokens {rem} of "
                           f"{self.ref.config.size_swa}) although it fits the empty pool; a refusal changes nothing, "
                           f"so it waits forever and blocks the queue behind it ({why}, policy "
-                          f"{self.ref.config.policy.value})", check="liveness",
-                          detail={"reason": reason, "policy": self.ref.config.policy.value,
-                                  "finding": "S9" if reason != "selection_pin" else "new"})
+                          f"{self.ref.config.policy.value})", check="liveness", detail=detail)
 
     @follows("starves forever")
     def _set_the_starved_request_aside(self, evidence: Evidence, *, rid: int) -> bool:

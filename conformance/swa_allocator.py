@@ -311,8 +311,9 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         out: dict[str, Any] = {}
         for pool in ("full", "swa"):
             b, a = getattr(before, pool).free_pages, getattr(after, pool).free_pages
-            out[f"{pool}_pages_taken"] = [g for g in b if g not in set(a)]
-            out[f"{pool}_pages_given"] = [g for g in a if g not in set(b)]
+            kept, had = set(a), set(b)
+            out[f"{pool}_pages_taken"] = [g for g in b if g not in kept]
+            out[f"{pool}_pages_given"] = [g for g in a if g not in had]
         out["mapping_entries_changed"] = sum(x != y for x, y in zip(before.full_to_swa_index_mapping,
                                                                       after.full_to_swa_index_mapping, strict=False))
         return out
@@ -336,10 +337,10 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                     return False
                 taken[pool] = tuple(b[:k])
             else:  # k pages left the free list and none joined it (its order is policy: need_sort reorders)
-                rest = set(a)
-                if len(a) != len(b) - k or not rest <= set(b):
+                left, joined = evidence.detail[f"{pool}_pages_taken"], evidence.detail[f"{pool}_pages_given"]
+                if joined or len(left) != k:
                     return False
-                taken[pool] = tuple(g for g in b if g not in rest)
+                taken[pool] = tuple(left)
         if after.full_to_swa_index_mapping != before.full_to_swa_index_mapping:
             return False
         # in the order the reference's free list handed them out, as the implementation's were taken (a sorted list

@@ -72,7 +72,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from kvproof.reference.arith import ceil_div, extend_parts, num_new_pages
+from kvproof.reference.arith import ceil_div, decode_opens_page, extend_parts, num_new_pages
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure
 from kvproof.reference.kv import KVStore, Row, any_defined, empty_store, forget_rows, read_rows, write_rows
@@ -318,7 +318,7 @@ def leak_failed_alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int],
     else:
         raise InvalidOperation(op, "seq_lens", "alloc_decode succeeds on this state: no failure to follow")
     p = state.config.page_size
-    k = sum(1 for s in seq_lens if (s - 1) % p == 0)
+    k = sum(decode_opens_page(s, p) for s in seq_lens)
     full, swa = state.full, state.swa
     if k <= len(full.free_pages):
         full, _ = take_pages(full, [LEAKED] * k)
