@@ -119,6 +119,13 @@ def with_isolation(command: Callable[..., Any]) -> Callable[..., Any]:
     return collected
 
 
+HARM = click.option(
+    "--harm", is_flag=True,
+    help="After a failure, go on past the divergence on the implementation alone under a ghost ownership model "
+         "(which request holds which page, from what each call handed out) until it turns into a consequence: a "
+         "cross-request KV read, a page with two owners, a page freed while owned, a duplicate in a free list, the "
+         "reserved page handed out, a legal call that raises, or capacity lost. Printed under the shrunk trace.")
+
 ACCEPT = click.option(
     "--accept", multiple=True, metavar="FINDING",
     help="Look past this known finding of the implementation (an id it declares, e.g. F1, whose documented "
@@ -236,11 +243,12 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
 @click.option("--fresh", is_flag=True,
               help="Do not replay the failures saved under .kvproof/failures/ before generating.")
 @ACCEPT
+@HARM
 @with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
-            junit_xml: str | None, op_timeout: float, fresh: bool, accept: tuple[str, ...],
+            junit_xml: str | None, op_timeout: float, fresh: bool, accept: tuple[str, ...], harm: bool,
             suite_options: dict[str, str], isolation: dict[str, Any]) -> None:
     """Run the lockstep conformance suites, one row per component and pool config.
 
@@ -263,7 +271,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     events = CLIEvents(console, json_report, junit_xml)
     try:
         outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout, events=events,
-                                  replay_saved=not fresh, **isolation)
+                                  replay_saved=not fresh, harm=harm, **isolation)
     except _usage_errors() as err:
         _bad_input(console, err)
     except KeyboardInterrupt:  # between two tests (run_plan finalises the reports of one interrupted inside a test)
@@ -532,14 +540,21 @@ def _print_skipped(console: Console, skipped: list[tuple[str, str]], what: str) 
               help="Implementation to replay on. Default: the one the vector was recorded on (its 'impl').")
 @click.option("--op-timeout", type=float, default=60.0, show_default=True, callback=_positive_seconds,
               help="Seconds (> 0) one implementation call may take before it counts as hung.")
+@HARM
+@click.option("--harm-seed", type=int, default=0, show_default=True, metavar="N",
+              help="Seed of the harm continuation's walks (--harm): the same seed, the same continuation.")
+@click.option("--harm-tries", type=click.IntRange(min=1), default=32, show_default=True, metavar="N",
+              help="Walks the harm continuation tries (--harm); the most severe harm wins, then the shortest walk.")
 @with_isolation
-def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation: dict[str, Any]) -> None:
+def replay(vector_file: str, impl_spec: str | None, op_timeout: float, harm: bool, harm_seed: int, harm_tries: int,
+           isolation: dict[str, Any]) -> None:
     """Replay a failure vector (a .json saved under .kvproof/failures/ or a report) without Hypothesis.
 
     Without --impl the vector's own implementation (its 'impl', a module:factory) is used; a
     vector recorded through the Python API under another name needs --impl. Exit 0 if every
     step and check passes on the implementation, 1 if it fails, 2 if the vector cannot be
     replayed (missing, malformed, no implementation to replay on, or a step's rule does not apply).
+    With --harm a failure is followed past its divergence (kvproof.conformance.harm).
     """
     from kvproof.conformance.check import replay_vector
     from kvproof.conformance.errors import UsageError
@@ -575,6 +590,12 @@ def replay(vector_file: str, impl_spec: str | None, op_timeout: float, isolation
 
         console.print(f"known finding: {label(Evidence.from_json(result.evidence), declared_findings(factory))}; "
                       f"evidence: {result.evidence}", markup=False, highlight=False, soft_wrap=True)
+    if harm:
+        from kvproof.conformance.harm import continue_for_harm
+
+        found = continue_for_harm(vector, factory, impl_name=spec, op_timeout=op_timeout, tries=harm_tries,
+                                  seed=harm_seed, **isolation)
+        console.print(found.text(), markup=False, highlight=False, soft_wrap=True)
     sys.exit(1)
 
 

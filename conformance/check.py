@@ -78,8 +78,8 @@ from kvproof.reference.registry import Component, Layer, info
 
 __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict", "Suite", "check",
            "check_hisparse_host", "check_loc_cache", "check_swa_allocator", "factory_spec", "failure_text", "get_suite",
-           "kill_mutants", "make_test_case", "make_vector", "mutants_of", "replay_vector", "run_check",
-           "run_swa_allocator_check", "structure_unreached"]
+           "kill_mutants", "make_test_case", "make_vector", "mutants_of", "replay_machine", "replay_vector",
+           "run_check", "run_swa_allocator_check", "structure_unreached"]
 
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
@@ -192,6 +192,8 @@ class CheckReport:
     finding: str = ""
     #: the known findings the run looked past (``accept``), each with how often it occurred
     accepted: dict[str, int] = field(default_factory=dict)
+    #: the harm continuation of the failure (``--harm``: kvproof.conformance.harm.HarmReport, as JSON)
+    harm: dict[str, Any] | None = None
 
     def structure_missed(self) -> dict[str, tuple[int, int]]:
         """Dimensions the run did not take to their maximum: ``{name: (reached, maximum)}``."""
@@ -584,16 +586,26 @@ def replay_vector(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl
             return outcome
         failure = _crash_text(impl_name, config.label(), outcome, "")
         return ReplayResult(suite.component.value, config.label(), max(len(outcome.vector) - 1, 0), failure)
-    options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
-               for k, v in vector.get("machine_options", {}).items()}
-    hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
-    binding = Binding(factory, config, options, impl_name, hint, op_timeout, RunStats())
     with deadline_scope():
         try:
-            machine = suite.machine(binding)
+            machine = replay_machine(vector, factory, impl_name=impl_name, op_timeout=op_timeout,
+                                     replay_hint=replay_hint)
         except LockstepFailure as err:
             return ReplayResult(suite.component.value, config.label(), 0, f"LockstepFailure: {err}")
         return replay(vector, machine)
+
+
+def replay_machine(vector: dict[str, Any], factory: Callable[[Any], Any], *, impl_name: str,
+                   op_timeout: float | None, replay_hint: str | None = None) -> Any:
+    """A fresh machine of ``vector``'s suite on ``factory``'s implementation, with the vector's config and machine
+    options, in this process (what :func:`replay_vector` replays on; :mod:`kvproof.conformance.harm` goes on from
+    where it stops). Raises ``LockstepFailure`` when the implementation cannot be built."""
+    suite = get_suite(str(vector["component"]))
+    config: Any = suite.config_type.model_validate_json(json.dumps(vector["config"]["value"]))
+    options = {k: suite.option_types[k].model_validate_json(json.dumps(v)) if k in suite.option_types else v
+               for k, v in vector.get("machine_options", {}).items()}
+    hint = f"replay: kvproof replay VECTOR --impl {impl_name}" if replay_hint is None else replay_hint
+    return suite.machine(Binding(factory, config, options, impl_name, hint, op_timeout, RunStats()))
 
 
 def run_swa_allocator_check(factory: Callable[[Any], Any], config: Any, **kwargs: Any) -> CheckReport:

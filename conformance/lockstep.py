@@ -548,6 +548,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     declared_by: ClassVar[dict[str, Component | None]]  # operation name -> the component of the declaring class
     misuse_cases: ClassVar[dict[str, MisuseCase]]
     checks: ClassVar[tuple[str, ...]]
+    #: why :meth:`ghost` is ``None`` for this component (the harm continuation reports it)
+    ghost_missing: ClassVar[str] = "it has no ghost ownership model"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -710,6 +712,12 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
     def supports(self, cap: Capability) -> bool:
         return cap in self.caps
+
+    def ghost(self) -> Any:
+        """The implementation, from where this machine stands, driven alone under a ghost ownership model (a
+        :class:`kvproof.conformance.harm.Ghost`: the harm continuation after a divergence); ``None``: this component
+        has none."""
+        return None
 
     def run_checks(self) -> None:
         """Every per-step check the class declares (``check_after_each_step``), as Hypothesis runs them after a rule:

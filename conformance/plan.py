@@ -28,13 +28,14 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, CheckReport, get_suite, run_check
 from kvproof.conformance.errors import ImplSpecError, RunInterrupted, UsageError
 from kvproof.conformance.findings import declared_findings, followed_by, unseen
 from kvproof.conformance.generation import forced_seed
+from kvproof.conformance.harm import continue_for_harm
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.lockstep import RunProgress
 from kvproof.conformance.profiles import get_profile
@@ -230,16 +231,22 @@ def _acceptable(suite: Any, impl: Impl, wanted: Sequence[str] | None) -> tuple[s
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
                 op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
                 progress: Callable[[RunProgress], None] | None = None, isolation: str = "process",
-                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> Outcome:
+                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False) -> Outcome:
     """Run one planned test (not its skip: the caller decides) and classify the result.
 
-    ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`.
+    ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`. ``harm``: a failure
+    with a vector goes on past its divergence on the implementation alone (:mod:`kvproof.conformance.harm`); the
+    continuation is printed under the failure and kept in the report.
     """
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
                        replay=test.replay_command(profile, seed), op_timeout=op_timeout, replay_saved=replay_saved,
                        progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb, **test.options)
+    if harm and report.failure is not None and report.vector is not None:
+        found = continue_for_harm(report.vector, test.impl.factory, impl_name=test.impl.spec, op_timeout=op_timeout,
+                                  isolation=isolation, memory_limit_mb=memory_limit_mb)
+        report = replace(report, failure=f"{report.failure}\n\n{found.text()}", harm=found.to_json())
     status = "passed" if report.passed else "failed"
     if test.selected:  # an expected failure
         status = "xpassed" if report.passed else "xfailed"
@@ -268,7 +275,7 @@ class RunEvents:
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
              on_report: Callable[[CheckReport], None] | None = None, events: RunEvents | None = None,
              replay_saved: bool = False, isolation: str = "process",
-             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB) -> tuple[list[Outcome], RunInfo]:
+             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False) -> tuple[list[Outcome], RunInfo]:
     """Run every planned test under one seed; the outcomes and what every report states about the run.
 
     Ctrl-C ends the run: the interrupted test is an ``interrupted`` outcome (with the failure
@@ -298,7 +305,7 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
             try:
                 outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout,
                                       replay_saved=replay_saved, progress=progress, isolation=isolation,
-                                      memory_limit_mb=memory_limit_mb)
+                                      memory_limit_mb=memory_limit_mb, harm=harm)
             except KeyboardInterrupt as err:
                 report = err.report if isinstance(err, RunInterrupted) else None
                 outcomes.append(Outcome(test.component.value, test.config.label(), "interrupted",

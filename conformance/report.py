@@ -182,7 +182,8 @@ def _result(o: Outcome) -> dict[str, Any]:
                     "failure_file": r.failure_file, "vector": r.vector, "structure": r.structure,
                     "structure_targets": r.structure_targets,
                     "structure_missed": {k: list(v) for k, v in r.structure_missed().items()},
-                    "finding": r.finding or None, "evidence": r.evidence, "accepted": r.accepted})
+                    "finding": r.finding or None, "evidence": r.evidence, "accepted": r.accepted,
+                    "harm": r.harm})
     return out
 
 

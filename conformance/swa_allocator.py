@@ -32,7 +32,8 @@ from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.findings import Evidence, follows
-from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation
+from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation, unwrap
+from kvproof.conformance.swa_ghost import SWAGhost
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
 from kvproof.reference.config import PoolConfig
@@ -293,6 +294,17 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
 
     def _after_step(self) -> None:
         """Hook run after every step, before the comparison (a subclass may probe)."""
+
+    def ghost(self) -> SWAGhost | None:
+        """The implementation driven alone from here (:mod:`kvproof.conformance.swa_ghost`), each request holding
+        what the harness's table says it holds, in the implementation's slots."""
+        owners: dict[int, list[int]] = {}
+        for rid, req in sorted(self.reqs.items()):
+            try:
+                owners[rid] = self._impl_slots(req.slots)
+            except (KeyError, IndexError):  # a page the divergence left unbound: the request is not followed
+                continue
+        return SWAGhost(unwrap(self.impl), self.config, self.caps, owners, self.next_rid, self.op_timeout)
 
     # ------------------------------------------------------------ evidence, and the documented behaviours followed
 

@@ -327,3 +327,48 @@ def test_side_by_side_benchmark_runs(sglang_modules) -> None:
     rows = side_by_side(page_sizes=(1, 4), ops=200, repeat=1)
     assert [r["page_size"] for r in rows] == [1, 4]
     assert all(r["kvproof_ops_per_s"] > 0 and r["sglang_ops_per_s"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------- the harm of each finding (kvproof.conformance.harm)
+
+
+@needs_sglang
+def test_f1_continued_on_sglang_alone_loses_capacity(sglang_modules) -> None:
+    """F1's shrunk trace (kept as a vector), continued on SGLang alone: every request freed, the leaked full page is
+    neither free nor held (docs/sglang-findings.md, "The harm of each finding")."""
+    from pathlib import Path
+
+    from kvproof.conformance.harm import continue_for_harm
+    from kvproof.conformance.vector import load_vector
+    from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+
+    vector = load_vector(Path(__file__).with_name("vectors") / "f1_alloc_decode_leak_P2.json")
+    found = continue_for_harm(vector, adapter.SGLangSWAAllocator, impl_name=vector["impl"], tries=4)
+    assert found.harm is not None and found.harm.kind == "capacity lost", found.text()
+    assert "full pool 11 of 12 pages free, swa pool 6 of 6 pages free: 1 page(s) neither free nor held" \
+        in found.harm.text, found.text()
+    assert found.walk[-1].endswith("-> ok")  # the largest request is still admitted: the slack is what is lost
+    fixed = continue_for_harm(vector, SWATokenToKVPoolAllocator, impl_name="runtime", tries=1)
+    assert fixed.harm is None and "does not fail" in fixed.note
+
+
+class _P1FreeAtItsWord(adapter.SGLangSWAAllocator):
+    """SGLang at P == 1 taken at its word: ``free`` of positions whose SWA side is released (F2's call)."""
+
+    def __init__(self, config, device: str = "cpu") -> None:
+        super().__init__(config, device)
+        self.capabilities = self.capabilities | {C.FREE_RELEASED_SWA}
+
+
+@needs_sglang
+def test_f2_continued_on_sglang_alone_puts_the_reserved_page_in_circulation(sglang_modules) -> None:
+    from kvproof.conformance.harm import continue_for_harm
+
+    p1 = next(c for c in CONFORMANCE_CONFIGS if c.page_size == 1)
+    report = run_check("swa_allocator", _P1FreeAtItsWord, p1, failures_dir=None, isolation="in-process",
+                       impl_name="at-its-word")
+    assert report.vector is not None and report.finding == "F2", report.failure
+    found = continue_for_harm(report.vector, _P1FreeAtItsWord, impl_name="at-its-word", tries=8)
+    assert found.harm is not None, found.text()
+    assert found.harm.kind in ("duplicate in a free list", "reserved page handed out"), found.text()
+    assert "page 0" in found.harm.text or "no SWA slot" in found.harm.text, found.text()
