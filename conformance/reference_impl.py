@@ -95,6 +95,26 @@ class ReferenceAllocator:
     def free_full(self, free_index: torch.Tensor) -> None:
         self.state = ref.free_full(self.state, _ints(free_index))
 
+    def free_group_begin(self) -> None:
+        self.state = ref.free_group_begin(self.state)
+
+    def free_group_end(self) -> None:
+        self.state = ref.free_group_end(self.state)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.state = ref.free_segment(self.state, _ints(free_index), start_pos)
+
+    def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.state = ref.free_swa_segment(self.state, _ints(free_index), start_pos)
+
+    def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.state = ref.free_full_segment(self.state, _ints(free_index), start_pos)
+
+    def free_kv_row_segments(self, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int,
+                             swa_dead_lo: int = 0) -> None:
+        self.state = ref.free_kv_row_segments(self.state, [(_ints(t), s) for t, s in segments], swa_evicted_seqlen,
+                                              swa_dead_lo)
+
     def clear(self) -> None:
         self.state = ref.clear(self.state)
 

@@ -21,6 +21,7 @@ only for implementations declaring ``Capability.REJECTS_MISUSE``.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,15 @@ from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.findings import Evidence, follows
-from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_step, misuse, operation, unwrap
+from kvproof.conformance.lockstep import (
+    Lockstep,
+    MisuseCall,
+    check_after_each_step,
+    misuse,
+    operation,
+    scenario,
+    unwrap,
+)
 from kvproof.conformance.swa_ghost import SWAGhost
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
@@ -489,6 +498,11 @@ class SWAAllocatorMachine(SWALockstep):
     @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
     def free_swa(self, data: Any) -> None:
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
+        self._evict(req, data)
+
+    def _evict(self, req: Req, data: Any) -> None:
+        """``free_swa`` of a part of ``req``: all of it, what left the window (§1.6), or any range before its last
+        page."""
         last_page_start = floor_p(len(req.slots) - 1, self.p)
         if last_page_start == 0 or data.draw(st.integers(0, 5), label="release_all") == 0:
             lo, hi = 0, len(req.slots)  # whole request, e.g. before free_full
@@ -505,6 +519,124 @@ class SWAAllocatorMachine(SWALockstep):
                 self.stats.rules["free_swa:not_applicable"] += 1
                 return
         self._release("free_swa", req, slots, f"positions [{lo}, {hi})")
+
+    # ------------------------------------------------------------ kv-row segments and free groups (§1.5a, 0.5.23)
+
+    @scenario(needs_any={C.FREE_GROUP, C.FREE_SEGMENT}, when=lambda self: self.reqs and self.pending is None,
+              data=st.data())
+    def release_batch(self, data: Any) -> None:
+        """One scheduler round's releases as 0.5.23's engine makes them (§1.5a), 1-3 of: a request freed whole
+        (``free``, or ``free_swa`` + ``free_full``), a request freed by kv-row segments (``free_kv_row_segments``
+        with ``swa_evicted_seqlen`` where the window eviction got to, when the positions without their SWA side are a
+        prefix; else ``free_segment`` / ``free_full_segment`` per run of pages), a window eviction (``free_swa``),
+        or one by segment (``free_swa_segment`` of whole pages before the last, from a page boundary); inside a free
+        group (``free_group_begin`` / ``free_group_end``) when the implementation has them. Inside a group the state
+        is compared after each release (the mapping is cleared at once, the free lists wait) and after the end."""
+        grouped = self.supports(C.FREE_GROUP) and (not self.supports(C.FREE_SEGMENT)
+                                                   or data.draw(st.booleans(), label="free_group"))
+        if grouped:
+            out = self.call("free_group_begin", "", lambda: (ref.free_group_begin(self.ref), None),
+                            self.impl.free_group_begin)
+            if not out:
+                return
+            self.ref = out[0][0]
+        ways = ["free", "evict"] + (["segments", "evict_segment"] if self.supports(C.FREE_SEGMENT) else [])
+        size = data.draw(st.integers(1, min(3, len(self.reqs))), label="batch_size")
+        self.note("release_batch size", size)
+        for _ in range(size):
+            req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
+            way = data.draw(st.sampled_from(ways), label="release")
+            if way == "evict":
+                self._evict(req, data)
+            elif way == "evict_segment":
+                self._evict_segment(req, data)
+            elif self._free_by_segments(req, data) if way == "segments" else self._free_request(req):
+                self.reqs.pop(req.rid)
+            if grouped:
+                self._compare_now("inside a free group")
+            if not self.reqs:
+                break
+        if grouped:
+            out = self.call("free_group_end", "", lambda: (ref.free_group_end(self.ref), None),
+                            self.impl.free_group_end)
+            if out:
+                self.ref = out[0][0]
+                self.count("free groups per example")
+
+    def _evict_segment(self, req: Req, data: Any) -> None:
+        """``free_swa_segment`` of whole pages before ``req``'s last page that still have their SWA side."""
+        end = floor_p(len(req.slots) - 1, self.p)
+        runs = [(lo, min(hi, end)) for lo, hi, mapped in self._page_runs(req) or () if mapped and lo < end]
+        if not runs:
+            self.stats.rules["release_batch:evict_segment_not_applicable"] += 1
+            return
+        lo, hi = data.choose(runs, "run")
+        first = data.draw(st.integers(lo // self.p, (hi - 1) // self.p), label="first_page") * self.p
+        self._release_segment("free_swa_segment", req, first, hi)
+
+    def _compare_now(self, where: str) -> None:
+        """The per-step state comparison in the middle of a step (a free group's releases)."""
+        try:
+            self.names.compare(self.ref, self.snapshot())
+        except Divergence as err:
+            self.fail(f"{err} ({where})", check="state", detail=err.detail)
+
+    def _page_runs(self, req: Req) -> list[tuple[int, int, bool]] | None:
+        """``req``'s positions as maximal runs of whole pages with and without their SWA side, ``(start, end,
+        mapped)`` (``None`` where a page is split: not a shape the segment calls take)."""
+        m, p = self.ref.full_to_swa_index_mapping, self.p
+        runs: list[tuple[int, int, bool]] = []
+        for start in range(0, len(req.slots), p):
+            mapped = [m[s] > 0 for s in req.slots[start:start + p]]
+            if any(mapped) != all(mapped):
+                return None
+            end = min(start + p, len(req.slots))
+            if runs and runs[-1][2] == mapped[0]:
+                runs[-1] = (runs[-1][0], end, mapped[0])
+            else:
+                runs.append((start, end, mapped[0]))
+        return runs
+
+    def _free_by_segments(self, req: Req, data: Any) -> bool:
+        runs = self._page_runs(req)
+        if runs is None:
+            self.stats.rules["release_batch:segments_not_applicable"] += 1
+            return False
+        dead_prefix = len(runs) <= 2 and all(mapped for _, _, mapped in runs[1:])
+        if dead_prefix and data.draw(st.booleans(), label="kv_row_segments"):
+            evicted = 0 if runs[0][2] else runs[0][1]  # swa_evicted_seqlen: the positions the window left
+            pages = -(-len(req.slots) // self.p)
+            cuts = sorted({c * self.p for c in data.draw(st.lists(st.integers(1, max(1, pages - 1)), max_size=2),
+                                                          label="cuts") if c < pages})
+            bounds = [0, *cuts, len(req.slots)]
+            ref_segments = [(req.slots[a:b], a) for a, b in itertools.pairwise(bounds)]
+            out = self.call("free_kv_row_segments", f"request {req.rid}, segments at {bounds[:-1]}, "
+                                                    f"swa_evicted_seqlen={evicted}",
+                            lambda: (ref.free_kv_row_segments(self.ref, ref_segments, evicted), None),
+                            lambda: self.impl.free_kv_row_segments(
+                                [(self._t(self._impl_slots(sl)), a) for sl, a in ref_segments],
+                                swa_evicted_seqlen=evicted))
+            if out:
+                self.ref = out[0][0]
+            return bool(out)
+        for lo, hi, mapped in runs:
+            if not self._release_segment("free_segment" if mapped else "free_full_segment", req, lo, hi):
+                return False
+        return True
+
+    def _release_segment(self, op: str, req: Req, lo: int, hi: int) -> bool:
+        ref_slots = req.slots[lo:hi]
+        impl_slots = self._impl_slots(ref_slots)
+        self._about_to_change(impl_slots)
+        call = {"free_segment": (ref.free_segment, self.impl.free_segment),
+                "free_swa_segment": (ref.free_swa_segment, self.impl.free_swa_segment),
+                "free_full_segment": (ref.free_full_segment, self.impl.free_full_segment)}[op]
+        out = self.call(op, f"request {req.rid}, positions [{lo}, {hi})",
+                        lambda: (call[0](self.ref, ref_slots, lo), None),
+                        lambda: call[1](self._t(impl_slots), start_pos=lo))
+        if out:
+            self.ref = out[0][0]
+        return bool(out)
 
     @operation(needs={C.FREE_FULL}, when=lambda self: self.pending is None and self._swa_released(), data=st.data())
     def free_full(self, data: Any) -> None:
@@ -678,6 +810,34 @@ class SWAAllocatorMachine(SWALockstep):
         return MisuseCall(f"request {req.rid} (its SWA side is still live)",
                           lambda: (ref.free_full(self.ref, req.slots), None),
                           lambda: self.impl.free_full(self._t(self._impl_slots(req.slots))))
+
+    def _released_runs(self) -> list[tuple[Req, tuple[int, int]]]:
+        """Runs of whole pages whose SWA side is released, per request (what ``free_segment`` must refuse)."""
+        return [(r, (lo, hi)) for r in self._requests() for lo, hi, mapped in self._page_runs(r) or () if not mapped]
+
+    @misuse("release_batch", "released_peer",
+            when=lambda self: self.supports(C.FREE_SEGMENT) and self.pending is None and bool(self._released_runs()))
+    def _segment_released_peer(self, data: Any) -> MisuseCall:
+        req, (lo, hi) = data.choose(self._released_runs(), "run")
+        slots = req.slots[lo:hi]
+        return MisuseCall(f"request {req.rid}, positions [{lo}, {hi}) (their SWA side is released: F2's segment "
+                          "shape)", lambda: (ref.free_segment(self.ref, slots, lo), None),
+                          lambda: self.impl.free_segment(self._t(self._impl_slots(slots)), start_pos=lo))
+
+    @misuse("release_batch", "unaligned_start",
+            when=lambda self: self.p > 1 and self.supports(C.FREE_SEGMENT) and self.pending is None
+            and any(len(r.slots) > 1 for r in self._requests()))
+    def _segment_unaligned(self, data: Any) -> MisuseCall:
+        req = data.choose([r for r in self._requests() if len(r.slots) > 1], "request")
+        slots = req.slots[1:]
+        return MisuseCall(f"request {req.rid}, positions [1, {len(req.slots)}) with start_pos=1",
+                          lambda: (ref.free_segment(self.ref, slots, 1), None),
+                          lambda: self.impl.free_segment(self._t(self._impl_slots(slots)), start_pos=1))
+
+    @misuse("release_batch", "end_without_begin", when=lambda self: self.supports(C.FREE_GROUP))
+    def _group_end_alone(self, data: Any) -> MisuseCall:
+        return MisuseCall("free_group_end() with no group open", lambda: (ref.free_group_end(self.ref), None),
+                          self.impl.free_group_end)
 
     @misuse("alloc", "unaligned_size")
     def _alloc_unaligned(self, data: Any) -> MisuseCall:

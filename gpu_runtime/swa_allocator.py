@@ -49,7 +49,7 @@ objects again when the free lists and mapping it reads are equal to theirs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -66,11 +66,22 @@ from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOf
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot, allocator_snapshot, pool_snapshot
+from kvproof.reference.swa_allocator import split_kv_row_segments
 
 __all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 
 Tensor = torch.Tensor
 P = InvalidationPoint
+
+
+@dataclass(slots=True)
+class _FreeGroup:
+    """The pages an open free group holds back, per pile (``reference.swa_allocator.FreeGroup``)."""
+
+    swa_ids: list[Tensor] = field(default_factory=list)
+    swa_set: list[Tensor] = field(default_factory=list)
+    full_set: list[Tensor] = field(default_factory=list)
+    full_ids: list[Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +118,7 @@ class SWATokenToKVPoolAllocator:
         self.swa_attn_allocator = self.pool_class(config.size_swa, self.page_size, self.device, "swa")
         self.full_to_swa_index_mapping = self._fresh_mapping()
         self._epoch = 0  # bumped by every release; restore_state needs it unchanged
+        self._group: _FreeGroup | None = None  # the open free group (free_group_begin)
         self._last_snapshot: AllocatorSnapshot | None = None  # the previous snapshot() and its pools' parts
         self._last_pool_snapshots: dict[str, PoolSnapshot] = {}
         self._owners = Owners(config.num_pages_full, config.num_pages_swa, self.device)  # ghost, for M2
@@ -322,12 +334,117 @@ class SWATokenToKVPoolAllocator:
                 "a live slot still maps to an SWA slot: use free or free_swa first")
         self._release_full(pages)
 
+    # ------------------------------------------------------------ free groups and kv-row segments (§1.5a)
+
+    def free_group_begin(self) -> None:
+        """Hold releases back until :meth:`free_group_end`; the mapping and the live slots are cleared at once."""
+        require(self._group is None, "free_group_begin", "state",
+                "a free group is already open (free groups cannot be nested)")
+        self._group = _FreeGroup()
+
+    def free_group_end(self) -> None:
+        """Give the group's pages back in 0.5.23's order (``reference.swa_allocator.free_group_end``)."""
+        group = self._group
+        if group is None:
+            raise InvalidOperation("free_group_end", "state", "no free group is open (call free_group_begin first)")
+        self._group = None
+        full, swa, p = self.full_attn_allocator, self.swa_attn_allocator, self.page_size
+        if group.swa_ids:
+            swa.release_pages(torch.cat(group.swa_ids))
+        if group.swa_set:
+            swa.release_pages(torch.unique(torch.cat(group.swa_set)))
+        if group.full_set:
+            both = torch.cat(group.full_set)
+            full.release_pages(torch.unique(both) if p > 1 else both)
+        if group.full_ids:
+            full.release_pages(torch.cat(group.full_ids))
+        self._epoch += 1
+
+    def free_segment(self, free_index: Tensor, *, start_pos: int) -> None:
+        """Release ``kv_row[start_pos : start_pos + n]`` of one request, both sides, pages in the segment's order."""
+        self._segment("free_segment", free_index, start_pos, swa=True, full=True)
+
+    def free_swa_segment(self, free_index: Tensor, *, start_pos: int) -> None:
+        """The SWA side of :meth:`free_segment` alone."""
+        self._segment("free_swa_segment", free_index, start_pos, swa=True, full=False)
+
+    def free_full_segment(self, free_index: Tensor, *, start_pos: int) -> None:
+        """The full side of :meth:`free_segment`, for positions whose SWA peers are released."""
+        self._segment("free_full_segment", free_index, start_pos, swa=False, full=True)
+
+    def free_kv_row_segments(self, segments: list[tuple[Tensor, int]], *, swa_evicted_seqlen: int,
+                             swa_dead_lo: int = 0) -> None:
+        """0.5.23 ``free_kv_row_segments``: ``[swa_dead_lo, swa_evicted_seqlen)`` full side only, the rest both
+        sides. Every piece is validated before any is released (all or nothing)."""
+        dead, alive = split_kv_row_segments([(as_index(t, self.device), s) for t, s in segments], swa_evicted_seqlen,
+                                            swa_dead_lo, self.page_size)
+        plans = [self._segment_plan("free_full_segment", t, s, swa=False) for t, s in dead if t.numel()]
+        plans += [self._segment_plan("free_segment", t, s, swa=True) for t, s in alive if t.numel()]
+        seen = [plan[0] for plan in plans]  # the pieces of one row must not overlap
+        if len(seen) > 1:
+            both = torch.cat(seen)
+            require(torch.unique(both).numel() == both.numel(), "free_kv_row_segments", "segments",
+                    "two segments hold the same slot")
+        for plan in plans:
+            self._segment_apply(*plan, full=True)
+
+    def _segment(self, op: str, free_index: Tensor, start_pos: int, *, swa: bool, full: bool) -> None:
+        idx = as_index(free_index, self.device)
+        if idx.numel():
+            self._segment_apply(*self._segment_plan(op, idx, start_pos, swa=swa), full=full)
+
+    def _segment_plan(self, op: str, idx: Tensor, start_pos: int, *, swa: bool) -> tuple[Tensor, Tensor | None]:
+        """Validate one segment: ``(its representative slots, their SWA pages or None)``."""
+        p, m = self.page_size, self.full_to_swa_index_mapping
+        self.full_attn_allocator.check_live(op, "free_index", idx, duplicates_ok=False,
+                                            freed_means="is already free (double free)")
+        require(start_pos >= 0 and start_pos % p == 0, op, "start_pos",
+                f"segment start {start_pos} is not page-aligned (page_size {p})")
+        k = torch.arange(idx.numel(), device=idx.device)
+        head = idx.index_select(0, k - k % p)  # the first slot of each position's page chunk
+        require(bool(((idx % p == k % p) & (idx // p == head // p)).all()), op, "free_index",
+                "not a kv-row segment from a page boundary (position k must sit at in-page offset k % page_size, "
+                "page_size positions per page)")
+        reps = idx[::p]
+        if not swa:
+            require(not bool(m.index_select(0, idx).any()), op, "free_index",
+                    "a slot still maps to an SWA slot: use free_segment")
+            return reps, None
+        peers = m.index_select(0, reps)
+        self._require_peers(op, peers)
+        return reps, torch.div(peers, p, rounding_mode="floor") if p > 1 else peers
+
+    def _require_peers(self, op: str, peers: Tensor) -> None:
+        """Every page of a segment released on both sides still has its SWA peer (0.5.23 ``swa.peer_mapped``)."""
+        require(bool((peers > 0).all()), op, "free_index",
+                "a position has no SWA peer (released by window eviction): free it with free_full_segment")
+
+    def _segment_apply(self, reps: Tensor, swa_pages: Tensor | None, *, full: bool) -> None:
+        p, group = self.page_size, self._group
+        if swa_pages is not None:
+            self._invalidate_at(P.FREE_SWA)
+            self._zero_released_mapping(self.full_attn_allocator.page_slots(torch.div(reps, p, rounding_mode="floor"))
+                                        if p > 1 else reps)
+            if group is None:
+                self.swa_attn_allocator.release_pages(swa_pages)
+            else:
+                group.swa_ids.append(swa_pages.clone())
+        if full:
+            pages = torch.div(reps, p, rounding_mode="floor") if p > 1 else reps
+            if group is None:
+                self.full_attn_allocator.release_pages(pages)
+            else:
+                self.full_attn_allocator.fill.index_fill_(0, pages, 0)  # no longer live: a second free is misuse
+                (group.full_ids if p > 1 else group.full_set).append(pages.clone())
+        self._epoch += 1
+
     def clear(self) -> None:
         """Both pools back to the initial free lists, M all 0 but the sentinel (in place: the pool holds M)."""
         self._invalidate_at(P.CLEAR)
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
         self.full_to_swa_index_mapping[:-1] = 0
+        self._group = None
         self._epoch += 1
 
     def register_mapping(self) -> None:
@@ -493,14 +610,21 @@ class SWATokenToKVPoolAllocator:
             swa_slots = torch.div(swa_slots, p, rounding_mode="floor")
             if swa_slots.numel() > 1:
                 swa_slots = torch.unique(swa_slots)
-        self.swa_attn_allocator.release_pages(swa_slots)
+        if self._group is None:
+            self.swa_attn_allocator.release_pages(swa_slots)
+        else:  # held back: at P > 1 given back as a sorted set at the end, at P == 1 in order (the page-id path)
+            (self._group.swa_set if p > 1 else self._group.swa_ids).append(swa_slots.clone())
         self._epoch += 1
 
     def _zero_released_mapping(self, slots: Tensor) -> None:
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def _release_full(self, pages: Tensor) -> None:
-        self.full_attn_allocator.release_pages(pages)
+        if self._group is None:
+            self.full_attn_allocator.release_pages(pages)
+        elif pages.numel():
+            self.full_attn_allocator.fill.index_fill_(0, pages, 0)  # no longer live: a second free is misuse
+            self._group.full_set.append(pages.clone())
         self._epoch += bool(pages.numel())
 
     def _check_mapping_values(self) -> None:

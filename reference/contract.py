@@ -63,6 +63,10 @@ class Capability(enum.StrEnum):
     # hisparse_host: a backup batch the host pool cannot serve raises OutOfMemory having taken no page and
     # cleared no skip flag (kvproof); without it the harness cuts such batches to what either side serves alike
     ATOMIC_BACKUP_BATCH = "atomic_backup_batch"
+    # 0.5.23 free groups (free_group_begin / free_group_end: releases held back until the end, §1.5a)
+    FREE_GROUP = "free_group"
+    # 0.5.23 kv-row segment releases: free_segment / free_swa_segment / free_full_segment / free_kv_row_segments
+    FREE_SEGMENT = "free_segment"
     BACKUP_RESTORE = "backup_restore"  # backup_state / restore_state (gone in SGLang 0.5.23)
     CPU_COPY = "cpu_copy"  # get_cpu_copy / load_cpu_copy with swa_mask
     KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer
@@ -113,6 +117,22 @@ class SWAAllocatorUnderTest(Protocol):
     def free_swa(self, free_index: torch.Tensor) -> None: ...
 
     def free_full(self, free_index: torch.Tensor) -> None: ...
+
+    def free_group_begin(self) -> None:
+        """Capability ``FREE_GROUP``: hold releases back until :meth:`free_group_end`."""
+
+    def free_group_end(self) -> None: ...
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        """Capability ``FREE_SEGMENT``: release ``kv_row[start_pos : start_pos + n]`` of one request (§1.5a)."""
+
+    def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None: ...
+
+    def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None: ...
+
+    def free_kv_row_segments(self, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int,
+                             swa_dead_lo: int = 0) -> None:
+        """0.5.23 ``mem_cache.common.free_kv_row_segments`` on this allocator."""
 
     def clear(self) -> None: ...
 

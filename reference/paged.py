@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["LEAKED", "Owner", "PagedPool", "initial_pool", "release_pages", "take_pages", "trusted", "trusted_pool"]
+__all__ = ["LEAKED", "Owner", "PagedPool", "initial_pool", "release_page_ids", "release_pages", "take_pages", "trusted",
+           "trusted_pool"]
 
 #: Ghost owner label of a page: the id of the request holding it.
 Owner = int
@@ -107,6 +108,17 @@ def take_pages(pool: PagedPool, owners: Sequence[Owner]) -> tuple[PagedPool, tup
     for page, who in zip(pages, owners, strict=True):
         owner[page] = who
     return trusted_pool(pool.page_size, pool.num_pages, pool.free_pages[k:], tuple(owner)), pages
+
+
+def release_page_ids(pool: PagedPool, pages: Iterable[int]) -> PagedPool:
+    """Give ``pages`` back exactly as given, no page twice, no sort (0.5.23 ``free_page_ids``: the kv-row segment
+    path): prepended at P > 1, appended at P == 1 (sglang_semantics.md §1.5a)."""
+    pages = tuple(pages)
+    free = pages + pool.free_pages if pool.page_size > 1 else pool.free_pages + pages
+    owner = list(pool.owner)
+    for page in pages:
+        owner[page] = None
+    return trusted_pool(pool.page_size, pool.num_pages, free, tuple(owner))
 
 
 def release_pages(pool: PagedPool, pages: Iterable[int]) -> PagedPool:

@@ -40,7 +40,12 @@ Where kvproof deliberately differs from SGLang 0.5.23, the code says
   touches and clears the mapping of those whole pages (0.5.23's page expansion);
   stale entries on never-handed-out slots are ignored.
 
-``need_sort`` (sorted release lists) and free groups are not modelled.
+Free groups (``free_group_begin`` / ``free_group_end``) and the kv-row segment releases (``free_segment``,
+``free_swa_segment``, ``free_full_segment``, ``free_kv_row_segments``) are modelled as in 0.5.23
+(sglang_semantics.md §1.2, §1.5, extended as "§1.5a" in docs/contract.md): inside a group a release clears the
+mapping and the live slots at once and holds the pages back until the group ends; segments release pages in the
+order given (one per page, no sort). ``need_sort`` (sorted release lists) is not modelled: an implementation with
+it does not declare ``EXACT_PAGE_ORDER``.
 
 Cost
 ----
@@ -81,6 +86,7 @@ from kvproof.reference.paged import (
     Owner,
     PagedPool,
     initial_pool,
+    release_page_ids,
     release_pages,
     take_pages,
     trusted,
@@ -90,6 +96,7 @@ from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 
 __all__ = [
     "AllocatorBackup",
+    "FreeGroup",
     "KVCpuCopy",
     "SWAAllocatorState",
     "alloc",
@@ -103,7 +110,13 @@ __all__ = [
     "clear",
     "free",
     "free_full",
+    "free_full_segment",
+    "free_group_begin",
+    "free_group_end",
+    "free_kv_row_segments",
+    "free_segment",
     "free_swa",
+    "free_swa_segment",
     "full_available_size",
     "get_cpu_copy",
     "initial_state",
@@ -113,12 +126,26 @@ __all__ = [
     "set_full_to_swa_mapping",
     "set_kv_buffer",
     "snapshot",
+    "split_kv_row_segments",
     "swa_available_size",
     "translate_loc_from_full_to_swa",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Slots = tuple[int, ...]
+
+
+class FreeGroup(BaseModel):
+    """The pages an open free group holds back until ``free_group_end`` (0.5.23, §1.5a), per pool and in the order
+    they are given back there: the page-id path first (kv-row segments; every SWA release at P == 1), in the order
+    given, then ``free``'s path (at P > 1 the sorted set of pages; at P == 1 the full slots in order)."""
+
+    model_config = _FROZEN
+
+    swa_ids: tuple[int, ...] = ()
+    swa_set: tuple[int, ...] = ()
+    full_set: tuple[int, ...] = ()
+    full_ids: tuple[int, ...] = ()
 
 
 class SWAAllocatorState(BaseModel):
@@ -134,6 +161,7 @@ class SWAAllocatorState(BaseModel):
     fill: tuple[int, ...]  # ghost: live slots per full page (offsets 0..fill-1)
     epoch: int = 0  # ghost: bumped by every release (restores, clears) and remap; restore_state needs it unchanged
     next_owner: int = 1  # ghost: label for the next anonymous owner
+    group: FreeGroup | None = None  # the open free group (free_group_begin), None outside one
 
 
 class AllocatorBackup(BaseModel):
@@ -757,18 +785,179 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
                     raise InvariantViolation("M2", f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
                 swa_pages.append(h)
             new_mapping[base:base + p] = zeros
-        forget.append(_page_rows(state, "swa", swa_pages))
         epoch += bool(swa_pages)
-        changes.update(full_to_swa_index_mapping=tuple(new_mapping), swa=release_pages(state.swa, swa_pages))
+        changes["full_to_swa_index_mapping"] = tuple(new_mapping)
+        if state.group is None:
+            forget.append(_page_rows(state, "swa", swa_pages))
+            changes["swa"] = release_pages(state.swa, swa_pages)
+        elif p > 1:  # held back: free_swa's pile, given back as a sorted set at the end (§1.5a)
+            changes["group"] = _hold(state.group, swa_set=swa_pages)
+        else:  # at P == 1 free_swa takes the page-id path
+            changes["group"] = _hold(state.group, swa_ids=swa_pages)
     if full:
         pages = [f // p for f in free_index]
         new_fill = list(state.fill)
         for g in pages:
             new_fill[g] = 0
-        forget.append(_page_rows(state, "full", pages))
         epoch += bool(pages)
-        changes.update(full=release_pages(state.full, pages), fill=tuple(new_fill))
-    return _replace(state, **changes, kv=forget_rows(state.kv, *forget), epoch=epoch)
+        changes["fill"] = tuple(new_fill)
+        if state.group is None:
+            forget.append(_page_rows(state, "full", pages))
+            changes["full"] = release_pages(state.full, pages)
+        else:  # the full allocator's own group: free(cat(pending)) at the end
+            changes["group"] = _hold(changes.get("group", state.group), full_set=pages)
+    return _replace(state, **changes, kv=forget_rows(state.kv, *forget) if forget else state.kv, epoch=epoch)
+
+
+def _hold(group: FreeGroup, **more: Sequence[int]) -> FreeGroup:
+    """``group`` with ``more`` pages held back in the named piles."""
+    now = {**group.__dict__}
+    for pile, pages in more.items():
+        now[pile] = now[pile] + tuple(pages)
+    return trusted(FreeGroup, now, group.__pydantic_fields_set__ | more.keys())
+
+
+# ---------------------------------------------------------------- free groups and kv-row segments (§1.5a)
+
+
+def free_group_begin(state: SWAAllocatorState) -> SWAAllocatorState:
+    """Open a free group: releases until :func:`free_group_end` clear the mapping and the live slots at once and
+    hold their pages back (0.5.23 ``free_group_begin``; groups do not nest)."""
+    if state.group is not None:
+        raise InvalidOperation("free_group_begin", "state", "a free group is already open (free groups cannot be "
+                                                            "nested)")
+    return _replace(state, group=FreeGroup())
+
+
+def free_group_end(state: SWAAllocatorState) -> SWAAllocatorState:
+    """Close the free group and give its pages back, in 0.5.23's order: SWA page ids (in order), then ``free``'s SWA
+    pages (sorted set), then the full pages of ``free`` (sorted set; P == 1: in order), then full page ids (in
+    order). At P > 1 each pile is prepended, so the last given back is handed out first."""
+    group = state.group
+    if group is None:
+        raise InvalidOperation("free_group_end", "state", "no free group is open (call free_group_begin first)")
+    swa = release_pages(release_page_ids(state.swa, group.swa_ids), group.swa_set)
+    full = release_page_ids(release_pages(state.full, group.full_set), group.full_ids)
+    kv = forget_rows(state.kv, _page_rows(state, "swa", group.swa_ids + group.swa_set),
+                     _page_rows(state, "full", group.full_set + group.full_ids))  # P == 1: slots are pages
+    released = bool(group.swa_ids or group.swa_set or group.full_set or group.full_ids)
+    return _replace(state, swa=swa, full=full, kv=kv, group=None, epoch=state.epoch + released)
+
+
+def free_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos: int) -> SWAAllocatorState:
+    """Release ``kv_row[start_pos : start_pos + n]`` of one request, both sides (0.5.23 ``free_segment``): the SWA
+    pages of the segment's pages (every one must still have its SWA peer), then its full pages, each pool's pages in
+    the segment's order (one representative slot per page, no sort)."""
+    return _segment(state, "free_segment", free_index, start_pos, swa=True, full=True)
+
+
+def free_swa_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos: int) -> SWAAllocatorState:
+    """The SWA side of :func:`free_segment` alone (window eviction of a kv-row segment); the full slots stay."""
+    return _segment(state, "free_swa_segment", free_index, start_pos, swa=True, full=False)
+
+
+def free_full_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos: int) -> SWAAllocatorState:
+    """The full side of :func:`free_segment` for positions whose SWA peers are already released."""
+    return _segment(state, "free_full_segment", free_index, start_pos, swa=False, full=True)
+
+
+def free_kv_row_segments(state: SWAAllocatorState, segments: Sequence[tuple[Sequence[int], int]],
+                         swa_evicted_seqlen: int, swa_dead_lo: int = 0) -> SWAAllocatorState:
+    """0.5.23 ``mem_cache.common.free_kv_row_segments``: ascending, page-disjoint ``(slots, start_pos)`` segments of
+    one request's kv row; the positions in ``[swa_dead_lo, swa_evicted_seqlen)`` (SWA already released by window
+    eviction) go back full side only (:func:`free_full_segment`), the rest both sides (:func:`free_segment`). A
+    cursor that splits a page between the two is misuse. All or nothing."""
+    dead, alive = split_kv_row_segments(segments, swa_evicted_seqlen, swa_dead_lo, state.config.page_size)
+    for slots, start in dead:
+        state = free_full_segment(state, slots, start) if slots else state
+    for slots, start in alive:
+        state = free_segment(state, slots, start) if slots else state
+    return state
+
+
+def split_kv_row_segments(segments: Sequence[tuple[Any, int]], swa_evicted_seqlen: int, swa_dead_lo: int,
+                          page_size: int) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
+    """``free_kv_row_segments``' split (0.5.23): the ``(slots, start_pos)`` pieces in ``[swa_dead_lo,
+    swa_evicted_seqlen)`` (full side only) and the rest, each piece a slice of its segment; raises
+    :class:`InvalidOperation` where 0.5.23 asserts (two segments sharing a page, a cursor splitting a page between
+    the two sides). ``slots`` may be any sliceable sequence (a list, a tensor)."""
+    op, p = "free_kv_row_segments", page_size
+    dead_lo, dead_hi = swa_dead_lo, max(swa_evicted_seqlen, swa_dead_lo)
+    dead: list[tuple[Any, int]] = []
+    alive: list[tuple[Any, int]] = []
+    prev_end: int | None = None
+    for slots, start in segments:
+        n = len(slots)
+        if n and prev_end is not None and not start // p > (prev_end - 1) // p:
+            raise InvalidOperation(op, "segments", f"the segment at position {start} shares a page with the one "
+                                                   f"ending at {prev_end}")
+        prev_end = start + n if n else prev_end
+        end = start + n
+        lo, hi = min(max(dead_lo, start), end), min(max(dead_hi, start), end)
+        if hi <= lo:
+            alive.append((slots, start))
+            continue
+        dead.append((slots[lo - start:hi - start], lo))
+        if lo > start:
+            alive.append((slots[:lo - start], start))
+        if end > hi:
+            alive.append((slots[hi - start:], hi))
+    if dead and alive and swa_evicted_seqlen % p:
+        raise InvalidOperation(op, "swa_evicted_seqlen", f"the SWA eviction cursor {swa_evicted_seqlen} splits a page "
+                                                         f"(page_size {p})")
+    return dead, alive
+
+
+def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start_pos: int, *, swa: bool,
+             full: bool) -> SWAAllocatorState:
+    p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    if not free_index:
+        return state
+    _check_release_args(state, op, free_index)
+    if start_pos < 0 or start_pos % p:
+        raise InvalidOperation(op, "start_pos", f"segment start {start_pos} is not page-aligned (page_size {p})")
+    for k, f in enumerate(free_index):  # kv_row[start_pos + k]: in-page offset k % P, one page per P positions
+        if f % p != k % p or f // p != free_index[k - k % p] // p:
+            raise InvalidOperation(op, "free_index", f"not a kv-row segment from a page boundary: position "
+                                                     f"{start_pos + k} is at slot {f}")
+    reps = list(free_index[::p])
+    if swa:
+        for r in reps:
+            if mapping[r] <= 0:
+                raise InvalidOperation(op, "free_index", f"slot {r} has no SWA peer (released by window eviction): "
+                                                         "free those positions with free_full_segment")
+    elif any(mapping[f] != 0 for f in free_index):
+        f = next(f for f in free_index if mapping[f] != 0)
+        raise InvalidOperation(op, "free_index", f"slot {f} still maps to SWA slot {mapping[f]}: use free_segment")
+    changes: dict[str, Any] = {}
+    group, forget = state.group, []
+    if swa:
+        swa_pages = [mapping[r] // p for r in reps]
+        new_mapping = list(mapping)
+        for r in reps:
+            base = r - r % p
+            new_mapping[base:base + p] = [0] * p
+        changes["full_to_swa_index_mapping"] = tuple(new_mapping)
+        if group is None:
+            changes["swa"] = release_page_ids(state.swa, swa_pages)
+            forget.append(_page_rows(state, "swa", swa_pages))
+        else:
+            group = _hold(group, swa_ids=swa_pages)
+    if full:
+        pages = [r // p for r in reps]
+        new_fill = list(state.fill)
+        for g in pages:
+            new_fill[g] = 0
+        changes["fill"] = tuple(new_fill)
+        if group is None:
+            changes["full"] = release_page_ids(state.full, pages)
+            forget.append(_page_rows(state, "full", pages))
+        else:  # P > 1: free_page_ids' pile; P == 1: the slots join free's pile (the token allocator frees them)
+            group = _hold(group, **{"full_ids" if p > 1 else "full_set": pages})
+    if group is not state.group:
+        changes["group"] = group
+    return _replace(state, **changes, kv=forget_rows(state.kv, *forget) if forget else state.kv,
+                    epoch=state.epoch + 1)
 
 
 def _page_rows(state: SWAAllocatorState, pool: str, pages: Iterable[int]) -> tuple[tuple[int, ...], list[int]]:

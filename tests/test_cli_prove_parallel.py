@@ -91,7 +91,8 @@ def test_cli_prints_the_wall_time_line_and_reports_it(tmp_path: Path) -> None:
     assert summary["solver_seconds"] == pytest.approx(sum(r["seconds"] for r in doc["results"]), abs=0.01)
     assert float(solver) == pytest.approx(summary["solver_seconds"], abs=0.01)
     assert summary["wall_seconds"] > 0 and float(wall) == pytest.approx(summary["wall_seconds"], abs=0.05)
-    assert float(ratio) == pytest.approx(float(solver) / float(wall), abs=0.02)
+    # the printed ratio is of the unrounded times (the printed ones are rounded: a short wall time is off by 3 %)
+    assert float(ratio) == pytest.approx(summary["solver_seconds"] / summary["wall_seconds"], abs=0.011)
     assert result.output.rstrip().splitlines()[-1].startswith("kvproof prove: ")  # after the table and summary
 
     serial = run("prove", "-k", "swa_tail_len", "--jobs", "1")

@@ -122,6 +122,7 @@ class SGLangModules:
     SWAKVPool: type
     SWATokenToKVPoolAllocator: type
     KVWriteLoc: type
+    free_kv_row_segments: Any  # mem_cache.common.free_kv_row_segments (the engine's kv-row release)
 
 
 _LOADED: SGLangModules | None = None
@@ -170,8 +171,9 @@ def load_sglang() -> SGLangModules:
         swa_pool = importlib.import_module("sglang.srt.mem_cache.swa_memory_pool")
         swa_alloc = importlib.import_module("sglang.srt.mem_cache.allocator.swa")
         memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+        common = importlib.import_module("sglang.srt.mem_cache.common")
     _LOADED = SGLangModules(installed, stubs, time.perf_counter() - start, swa_pool.SWAKVPool,
-                            swa_alloc.SWATokenToKVPoolAllocator, memory_pool.KVWriteLoc)
+                            swa_alloc.SWATokenToKVPoolAllocator, memory_pool.KVWriteLoc, common.free_kv_row_segments)
     logger.info("kvproof: imported SGLang %s in %.1fs (stubs: %s)", installed, _LOADED.import_seconds,
                 ", ".join(stubs) or "none")
     return _LOADED
@@ -191,7 +193,7 @@ def import_sglang_modules(*names: str) -> list[types.ModuleType]:
 def capabilities_for(page_size: int) -> frozenset[Capability]:
     """What SGLang 0.5.23's composite supports at this page size (declared, never probed)."""
     common = {C.FREE_FULL, C.CPU_COPY, C.KV_BUFFER, C.SET_FULL_TO_SWA_MAPPING, C.EXACT_PAGE_ORDER,
-              C.FORWARD, C.REGISTER_MAPPING}
+              C.FORWARD, C.REGISTER_MAPPING, C.FREE_GROUP, C.FREE_SEGMENT}
     if page_size == 1:
         return frozenset(common | {C.ALLOC})  # TokenToKVPoolAllocator pools: alloc only
     # at P > 1 free / free_swa skip slots whose SWA side is released; at P == 1 they do not (F2)
@@ -306,6 +308,27 @@ class SGLangSWAAllocator:
 
     def free_full(self, free_index: torch.Tensor) -> None:
         self.allocator.free_full(free_index)
+
+    def free_group_begin(self) -> None:
+        self.allocator.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.allocator.free_group_end()
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.allocator.free_segment(free_index, start_pos=start_pos)
+
+    def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.allocator.free_swa_segment(free_index, start_pos=start_pos)
+
+    def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self.allocator.free_full_segment(free_index, start_pos=start_pos)
+
+    def free_kv_row_segments(self, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int,
+                             swa_dead_lo: int = 0) -> None:
+        """SGLang's own ``mem_cache.common.free_kv_row_segments`` on this allocator (the caller's split)."""
+        self.sglang.free_kv_row_segments(self.allocator, segments, swa_evicted_seqlen=swa_evicted_seqlen,
+                                         swa_dead_lo=swa_dead_lo)
 
     def clear(self) -> None:
         self.allocator.clear()

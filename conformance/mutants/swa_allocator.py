@@ -221,6 +221,83 @@ class ClearDropsSentinel(SWATokenToKVPoolAllocator):
         self.full_to_swa_index_mapping.zero_()
 
 
+class GroupIgnored(SWATokenToKVPoolAllocator):
+    """``free_group_begin`` opens nothing: releases inside a group go back at once (0.5.23 holds them to the end).
+
+    Inside the group the free lists already hold pages the caller's batch has not finished with; the order after
+    the end differs too (EXACT_PAGE_ORDER; §1.5a).
+    Differs: P=4, ``alloc_extend`` 0 -> 4, ``free_group_begin``, ``free([4])``: the page is free before the end.
+    """
+
+    def free_group_begin(self) -> None:
+        pass
+
+    def free_group_end(self) -> None:
+        pass
+
+
+class GroupEndInCallOrder(SWATokenToKVPoolAllocator):
+    """``free_group_end`` gives the full pages of the group's ``free`` calls back in call order, not as the sorted
+    set 0.5.23's one ``free(cat(pending))`` makes (EXACT_PAGE_ORDER; §1.5a).
+    Differs: P=4, two requests of one page each, ``free`` the second then the first in one group: the free list
+    starts with page 2, page 1 (0.5.23: 1, 2).
+    """
+
+    def free_group_end(self) -> None:
+        group = self._group
+        if group is not None and group.full_set and self.page_size > 1:
+            group.full_ids[:0] = group.full_set  # in call order, as page ids, before the segments' pages
+            group.full_set.clear()
+        super().free_group_end()
+
+
+class GroupMappingKeptToEnd(SWATokenToKVPoolAllocator):
+    """Inside a free group ``free_swa`` (and ``free``'s SWA side) leaves the mapping until the group ends.
+
+    0.5.23 clears it at the call ("resolve ownership now": a cache action later in the group may re-point the slot);
+    here M still names released SWA pages inside the group (M3; §1.5a).
+    Differs: P=4, ``alloc_extend`` 0 -> 4, ``free_group_begin``, ``free_swa([4])``: M[4] is still non-zero.
+    """
+
+    def _zero_released_mapping(self, slots: Tensor) -> None:
+        if self._group is None:
+            super()._zero_released_mapping(slots)
+        else:
+            pending = self.__dict__.setdefault("_pending_zero", [])
+            pending.append(slots.clone())
+
+    def free_group_end(self) -> None:
+        for slots in self.__dict__.pop("_pending_zero", []):
+            super()._zero_released_mapping(slots)
+        super().free_group_end()
+
+
+class SegmentSortsPages(SWATokenToKVPoolAllocator):
+    """``free_segment`` gives its pages back as a sorted set, as ``free`` does, not in the segment's order (0.5.23's
+    ``free_page_ids``: one representative per page, no sort; EXACT_PAGE_ORDER, §1.5a).
+    Differs: P=4, three one-page requests on pages 1, 2, 3; free the first, then the third; a two-page request gets
+    pages 3, 1; ``free_segment`` of it puts 1, 3 at the head of the free list (0.5.23: 3, 1).
+    """
+
+    def _segment_apply(self, reps: Tensor, swa_pages: Tensor | None, *, full: bool) -> None:
+        if self.page_size > 1 and reps.numel() > 1:
+            order = torch.argsort(reps)
+            reps = reps.index_select(0, order)
+            swa_pages = None if swa_pages is None else torch.sort(swa_pages).values
+        super()._segment_apply(reps, swa_pages, full=full)
+
+
+class SegmentPeerUnchecked(SWATokenToKVPoolAllocator):
+    """``free_segment`` skips the ``swa.peer_mapped`` check, as 0.5.23 does with its checks off: a segment whose
+    SWA side was released gives the reserved SWA page 0 back (M1, G3; F2's segment shape).
+    Differs: P=4, ``alloc_extend`` 0 -> 4, ``free_swa([4..7])``, ``free_segment([4..7], start_pos=0)`` succeeds and
+    puts SWA page 0 in the free list.
+    """
+
+    def _require_peers(self, op: str, peers: Tensor) -> None:
+        pass
+
+
 MUTANTS: dict[str, Callable[[PoolConfig], SWATokenToKVPoolAllocator]] = {
     "leak_on_failed_alloc": LeakOnFailedAlloc,
     "wrong_page_rounding": WrongPageRounding,
@@ -236,4 +313,9 @@ MUTANTS: dict[str, Callable[[PoolConfig], SWATokenToKVPoolAllocator]] = {
     "free_order_append": FreeOrderAppend,
     "free_full_unchecked": FreeFullUnchecked,
     "clear_drops_sentinel": ClearDropsSentinel,
+    "group_ignored": GroupIgnored,
+    "group_end_in_call_order": GroupEndInCallOrder,
+    "group_mapping_kept_to_end": GroupMappingKeptToEnd,
+    "segment_sorts_pages": SegmentSortsPages,
+    "segment_peer_unchecked": SegmentPeerUnchecked,
 }

@@ -372,3 +372,46 @@ def test_f2_continued_on_sglang_alone_puts_the_reserved_page_in_circulation(sgla
     assert found.harm is not None, found.text()
     assert found.harm.kind in ("duplicate in a free list", "reserved page handed out"), found.text()
     assert "page 0" in found.harm.text or "no SWA slot" in found.harm.text, found.text()
+
+
+# ---------------------------------------------------------------- free groups and kv-row segments (§1.5a)
+
+
+@needs_sglang
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_free_groups_and_segments_release_in_the_references_order(sglang_modules, page_size: int) -> None:
+    """0.5.23's free group, segment calls and ``free_kv_row_segments`` (SGLang's own function) against the reference,
+    snapshot by snapshot: a group holds pages back and gives them back pile by pile; segments keep their order."""
+    from kvproof.reference import swa_allocator as ref
+    from kvproof.reference.config import PoolConfig
+
+    p = page_size
+    config = PoolConfig(size_full=16 * p, size_swa=16 * p, page_size=p, sliding_window_size=2)
+    impl, s = adapter.SGLangSWAAllocator(config), ref.initial_state(config)
+
+    def t(values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    rows = []
+    for n in (p, p, 3 * p):  # requests on pages 1 | 2 | 3-5 (P == 1: slots)
+        if p == 1:
+            out, (s, want) = impl.alloc(n), ref.alloc(s, n)
+        else:
+            out = impl.alloc_extend(t([0]), t([0]), t([n]), t([n]), t([-1]), n)
+            s, want = ref.alloc_extend(s, [0], [n], [-1], n)
+        assert out.tolist() == list(want)
+        rows.append(list(want))
+    a, b, c = rows
+    steps = [("free_group_begin", lambda: impl.free_group_begin(), lambda st: ref.free_group_begin(st)),
+             ("free_segment", lambda: impl.free_segment(t(b), start_pos=0), lambda st: ref.free_segment(st, b, 0)),
+             ("free", lambda: impl.free(t(a)), lambda st: ref.free(st, a)),
+             ("free_group_end", lambda: impl.free_group_end(), lambda st: ref.free_group_end(st)),
+             ("free_swa", lambda: impl.free_swa(t(c[:p])), lambda st: ref.free_swa(st, c[:p])),
+             ("free_kv_row_segments",
+              lambda: impl.free_kv_row_segments([(t(c[:2 * p]), 0), (t(c[2 * p:]), 2 * p)], swa_evicted_seqlen=p),
+              lambda st: ref.free_kv_row_segments(st, [(c[:2 * p], 0), (c[2 * p:], 2 * p)], p))]
+    for name, on_sglang, on_reference in steps:
+        on_sglang()
+        s = on_reference(s)
+        assert impl.snapshot() == ref.snapshot(s), f"after {name}: SGLang {impl.snapshot()}, reference {s}"
+    assert set(impl.snapshot().full_to_swa_index_mapping[:-1]) == {0}  # every request released

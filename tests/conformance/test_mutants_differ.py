@@ -45,6 +45,10 @@ def call(method: str, slots: list[int]) -> Step:
     return lambda a, m: getattr(a, method)(t(slots, a.device))
 
 
+def segment(method: str, slots: list[int], start_pos: int) -> Step:
+    return lambda a, m: getattr(a, method)(t(slots, a.device), start_pos=start_pos)
+
+
 def backup() -> Step:
     return lambda a, m: m.__setitem__("backup", a.backup_state())
 
@@ -90,6 +94,17 @@ SCRIPTS: dict[str, tuple[PoolConfig, list[Step]]] = {
     "free_order_append": (cfg(4, 32, 32), [ext(0, 8, -1), call("free", [4])]),
     "free_full_unchecked": (cfg(4, 32, 32), [ext(0, 4, -1), call("free_full", [4])]),
     "clear_drops_sentinel": (cfg(4, 32, 32), [lambda a, m: a.translate_loc_from_full_to_swa(t([-1], a.device))]),
+    "group_ignored": (cfg(4, 32, 32), [ext(0, 4, -1), lambda a, m: a.free_group_begin(), call("free", [4, 5, 6, 7])]),
+    "group_end_in_call_order": (cfg(4, 32, 32), [ext(0, 4, -1), ext(0, 4, -1), lambda a, m: a.free_group_begin(),
+                                                 call("free", [8, 9, 10, 11]), call("free", [4, 5, 6, 7]),
+                                                 lambda a, m: a.free_group_end()]),
+    "group_mapping_kept_to_end": (cfg(4, 32, 32), [ext(0, 4, -1), lambda a, m: a.free_group_begin(),
+                                                   call("free_swa", [4])]),
+    "segment_sorts_pages": (cfg(4, 32, 32), [ext(0, 4, -1), ext(0, 4, -1), ext(0, 4, -1), call("free", [4, 5, 6, 7]),
+                                             call("free", [12, 13, 14, 15]), ext(0, 8, -1),
+                                             segment("free_segment", [12, 13, 14, 15, 4, 5, 6, 7], 0)]),
+    "segment_peer_unchecked": (cfg(4, 32, 32), [ext(0, 4, -1), call("free_swa", [4, 5, 6, 7]),
+                                                segment("free_segment", [4, 5, 6, 7], 0)]),
 }
 
 
