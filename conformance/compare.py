@@ -155,8 +155,9 @@ class Renaming:
             return
         self._passed = None
         self._compare_pools(state, snap)
-        self.full.prune(_allocated(state.full.owner), set(snap.full.free_pages))
-        self.swa.prune(_allocated(state.swa.owner), set(snap.swa.free_pages))
+        held_full, held_swa = _held_back(state)
+        self.full.prune(_allocated(state.full.owner) | held_full, set(snap.full.free_pages))
+        self.swa.prune(_allocated(state.swa.owner) | held_swa, set(snap.swa.free_pages))
         self._compare_mapping(state, snap)
         impl_full_free, impl_swa_free = set(snap.full.free_pages), set(snap.swa.free_pages)
         for pool, pages, free in (("full", self.full, impl_full_free), ("swa", self.swa, impl_swa_free)):
@@ -210,6 +211,17 @@ class Renaming:
                                  "mapping_offset")
                     self.swa.bind(m // p, mi // p, f"mapping of full slot {r}")
                     bound = (m // p, mi // p)
+
+
+def _held_back(state: ref.SWAAllocatorState) -> tuple[set[int], set[int]]:
+    """The full and SWA pages an open free group holds back (owned by nobody, in no free list, §1.5a): their
+    bindings stay until the group gives them back."""
+    group = state.group
+    if group is None:
+        return set(), set()
+    p = state.config.page_size
+    full = set(group.full_ids) | ({g for g in group.full_set} if p > 1 else {x // p for x in group.full_set})
+    return full, set(group.swa_ids) | set(group.swa_set)
 
 
 def _allocated(owner: tuple[int | None, ...]) -> set[int]:

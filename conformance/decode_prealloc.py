@@ -241,6 +241,43 @@ class DecodePreallocMachine(SWALockstep):
         if self.decode_config.write_kv:
             self._check_kv()
 
+    @check_after_each_step
+    def decode_budgets_agree(self) -> None:
+        """Capability ``DECODE_BUDGETS``: the engine's own preallocation-queue functions, on its pools as they stand
+        after this step, give the reference's per-request lengths and requirements and the budgets of the next
+        admission round (§2.3-§2.5; the requirements and budgets as the corrected policy has them, R4: 0.5.23
+        page-rounds them)."""
+        if not self.supports(C.DECODE_BUDGETS):
+            return
+        node = self.node.model_copy(update={"config": self.node.config.model_copy(
+            update={"policy": dp.PreallocPolicy.CORRECTED})})
+        reqs = [*node.running, *node.retracted, *node.queue]
+        shape = [(r.origin_input_len, r.output_len, r.max_new_tokens) for r in reqs]
+        n_run, n_ret = len(node.running), len(node.retracted)
+        got = self.query("decode_budgets()", lambda impl: impl.decode_budgets(
+            shape[:n_run], shape[n_run:n_run + n_ret], shape[n_run + n_ret:],
+            reserved_decode_tokens=node.config.reserved_decode_tokens, sliding_window_size=self.w))
+        if got["clip"] != node.config.clip_max_new_tokens:
+            raise HarnessBug(f"the implementation's CLIP is {got['clip']}, the decode config's "
+                             f"{node.config.clip_max_new_tokens}: run with --policy and a matching decode config")
+        budgets = dp.allocatable_token_budgets(node, self.ref)
+        want_budgets = (budgets.full, budgets.swa)
+        want: list[dict[str, Any]] = [
+            {"fill_len": dp.fill_len(r), "swa_tail_len": dp.swa_tail_len(node, self.ref, dp.fill_len(r)),
+             "swa_retractable_len": dp.swa_retractable_len(node, self.ref, r),
+             "prealloc_kv_lens": dp.prealloc_kv_lens(node, self.ref, r),
+             "prealloc_required_tokens": dp.prealloc_required_tokens(node, self.ref, r)} for r in reqs]
+        if tuple(got["budgets"]) != want_budgets:
+            self.fail(f"decode budgets (full, swa) = {tuple(got['budgets'])}, reference {want_budgets} "
+                      f"({n_run} running, {n_ret} retracted)", check="budget",
+                      detail={"implementation": list(got["budgets"]), "reference": list(want_budgets)})
+        for req, mine, theirs in zip(reqs, want, got["requests"], strict=True):
+            for key, value in mine.items():
+                if (tuple(theirs[key]) if isinstance(value, tuple) else theirs[key]) != value:
+                    self.fail(f"{key} of request {req.rid} (prompt {req.origin_input_len}, outputs "
+                              f"{req.output_len}) = {theirs[key]}, reference {value}", check="budget",
+                              detail={"function": key, "implementation": theirs[key], "reference": value})
+
     def _check_kv(self) -> None:
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
         for req in self.node.running:

@@ -315,16 +315,21 @@ def _worker(wid: int, spec: CampaignSpec, mine: list[int], first_run: dict[str, 
                 if _replay_saved(wid, spec, test, db, out):
                     failing.add(slice_id(test))
         index = {slice_id(t): first_run.get(slice_id(t), 0) for t in slices}
-        while not stop.is_set():
+        # a step budget is split between the workers, each stopping at its own share: which runs a worker makes
+        # never depends on when the parent hears of the others' steps (the same seed, the same runs)
+        share = None if spec.budget.steps is None else -(-spec.budget.steps // spec.workers)
+        done_steps = 0
+        while not stop.is_set() and (share is None or done_steps < share):
             live = [t for t in slices if slice_id(t) not in failing]
             if not live:
                 break
             for test in live:
-                if stop.is_set():
+                if stop.is_set() or (share is not None and done_steps >= share):
                     break
                 name = slice_id(test)
                 report = _one_run(wid, spec, test, db, index[name], out)
                 index[name] += 1
+                done_steps += report.steps if report is not None else 0
                 if report is not None and not report.passed:
                     failing.add(name)
     except KeyboardInterrupt:

@@ -57,7 +57,7 @@ class ReferenceKVPool:
 class ReferenceAllocator:
     """Every operation delegates to the pure reference; failures raise the reference's errors."""
 
-    capabilities = frozenset(Capability)
+    capabilities = frozenset(Capability) - {Capability.DECODE_BUDGETS}
     components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
     device = "cpu"
 

@@ -60,13 +60,13 @@ from kvproof.gpu_runtime._validate import ExtendArgs, HostBatch, check_extend_ar
 from kvproof.gpu_runtime.loc_cache import GraphRunner, ModelRunner
 from kvproof.gpu_runtime.paged import PagedBackup, PagedTokenToKVPoolAllocator, as_index, resolve_device
 from kvproof.gpu_runtime.swa_kv_pool import KVCpuCopy, SWAKVPool
+from kvproof.reference.arith import split_kv_row_segments
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure, require
 from kvproof.reference.loc_cache import UPSTREAM_POINTS, InvalidationPoint
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot, allocator_snapshot, pool_snapshot
-from kvproof.reference.swa_allocator import split_kv_row_segments
 
 __all__ = ["SWAAllocatorBackup", "SWATokenToKVPoolAllocator"]
 
@@ -100,7 +100,8 @@ class SWATokenToKVPoolAllocator:
     #: classes built at construction (a mutant may substitute a broken one)
     pool_class: type[PagedTokenToKVPoolAllocator] = PagedTokenToKVPoolAllocator
     kv_pool_class: type[SWAKVPool] = SWAKVPool
-    capabilities: frozenset[Capability] = frozenset(Capability)
+    #: everything but DECODE_BUDGETS (an engine's own preallocation-queue functions: kvproof's are the reference's)
+    capabilities: frozenset[Capability] = frozenset(Capability) - {Capability.DECODE_BUDGETS}
     components = frozenset({Component.SWA_ALLOCATOR, Component.LOC_CACHE, Component.DECODE_PREALLOC})
     #: the loc-cache invalidation points this allocator, its runners and its pool honour
     #: (all: upstream after #26152); a mutant drops one

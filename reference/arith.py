@@ -6,6 +6,11 @@ over symbolic integers, and ``tests/spec/test_drift.py`` checks they agree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from kvproof.reference.errors import InvalidOperation
+
 __all__ = [
     "ceil_div",
     "ceil_p",
@@ -13,6 +18,7 @@ __all__ = [
     "extend_parts",
     "floor_p",
     "num_new_pages",
+    "split_kv_row_segments",
     "swa_tail_len",
 ]
 
@@ -68,3 +74,36 @@ def swa_tail_len(seq_len: int, window: int, page_size: int) -> int:
     if seq_len <= 0:
         return 0
     return seq_len - floor_p(max(0, seq_len - window), page_size)
+
+
+def split_kv_row_segments(segments: Sequence[tuple[Any, int]], swa_evicted_seqlen: int, swa_dead_lo: int,
+                          page_size: int) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
+    """``free_kv_row_segments``' split (0.5.23): the ``(slots, start_pos)`` pieces in ``[swa_dead_lo,
+    swa_evicted_seqlen)`` (full side only) and the rest, each piece a slice of its segment; raises
+    :class:`InvalidOperation` where 0.5.23 asserts (two segments sharing a page, a cursor splitting a page between
+    the two sides). ``slots`` may be any sliceable sequence (a list, a tensor)."""
+    op, p = "free_kv_row_segments", page_size
+    dead_lo, dead_hi = swa_dead_lo, max(swa_evicted_seqlen, swa_dead_lo)
+    dead: list[tuple[Any, int]] = []
+    alive: list[tuple[Any, int]] = []
+    prev_end: int | None = None
+    for slots, start in segments:
+        n = len(slots)
+        if n and prev_end is not None and not start // p > (prev_end - 1) // p:
+            raise InvalidOperation(op, "segments", f"the segment at position {start} shares a page with the one "
+                                                   f"ending at {prev_end}")
+        prev_end = start + n if n else prev_end
+        end = start + n
+        lo, hi = min(max(dead_lo, start), end), min(max(dead_hi, start), end)
+        if hi <= lo:
+            alive.append((slots, start))
+            continue
+        dead.append((slots[lo - start:hi - start], lo))
+        if lo > start:
+            alive.append((slots[:lo - start], start))
+        if end > hi:
+            alive.append((slots[hi - start:], hi))
+    if dead and alive and swa_evicted_seqlen % p:
+        raise InvalidOperation(op, "swa_evicted_seqlen", f"the SWA eviction cursor {swa_evicted_seqlen} splits a page "
+                                                         f"(page_size {p})")
+    return dead, alive

@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CALLER_OWNED_RESULTS", "PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
-           "Capability", "HostPoolFactory", "HostPoolUnderTest", "KVPoolUnderTest", "LocCacheSystemUnderTest",
-           "SWAAllocatorUnderTest", "TPPrefetchFactory", "TPPrefetchUnderTest"]
+           "BudgetRequest", "Capability", "DecodeBudgetsUnderTest", "HostPoolFactory", "HostPoolUnderTest",
+           "KVPoolUnderTest", "LocCacheSystemUnderTest", "SWAAllocatorUnderTest", "TPPrefetchFactory",
+           "TPPrefetchUnderTest"]
 
 
 class Capability(enum.StrEnum):
@@ -67,6 +68,8 @@ class Capability(enum.StrEnum):
     FREE_GROUP = "free_group"
     # 0.5.23 kv-row segment releases: free_segment / free_swa_segment / free_full_segment / free_kv_row_segments
     FREE_SEGMENT = "free_segment"
+    # decode_prealloc: the engine's own preallocation-queue budget functions on this allocator (decode_budgets)
+    DECODE_BUDGETS = "decode_budgets"
     BACKUP_RESTORE = "backup_restore"  # backup_state / restore_state (gone in SGLang 0.5.23)
     CPU_COPY = "cpu_copy"  # get_cpu_copy / load_cpu_copy with swa_mask
     KV_BUFFER = "kv_buffer"  # get_kvcache().set_kv_buffer / get_kv_buffer
@@ -308,6 +311,22 @@ class TPPrefetchUnderTest(Protocol):
 
 
 TPPrefetchFactory = Callable[[TPPrefetchGroup], TPPrefetchUnderTest]
+
+#: A decode-node request as the budget functions see it: (prompt length, outputs so far, max_new_tokens).
+BudgetRequest = tuple[int, int, int]
+
+
+@runtime_checkable
+class DecodeBudgetsUnderTest(Protocol):
+    """Capability ``DECODE_BUDGETS`` of a ``decode_prealloc`` allocator: the engine's own preallocation-queue budget
+    functions, evaluated on this allocator's pools as they stand (sglang_semantics.md §2.3-§2.5)."""
+
+    def decode_budgets(self, running: list[BudgetRequest], retracted: list[BudgetRequest],
+                       queued: list[BudgetRequest], *, reserved_decode_tokens: int,
+                       sliding_window_size: int) -> dict[str, object]:
+        """``{"clip": CLIP, "budgets": (full, swa or None), "requests": [{"fill_len", "swa_tail_len",
+        "swa_retractable_len", "prealloc_kv_lens", "prealloc_required_tokens"} per request of running + retracted +
+        queued, in that order]}``."""
 
 #: The protocols an implementation of each component meets (an allocator's KV pool included): every
 #: lockstep operation that acts on the implementation is a method of one of them (tests/test_registry.py).

@@ -77,7 +77,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from kvproof.reference.arith import ceil_div, decode_opens_page, extend_parts, num_new_pages
+from kvproof.reference.arith import ceil_div, decode_opens_page, extend_parts, num_new_pages, split_kv_row_segments
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory, ensure
 from kvproof.reference.kv import KVStore, Row, any_defined, empty_store, forget_rows, read_rows, write_rows
@@ -126,7 +126,6 @@ __all__ = [
     "set_full_to_swa_mapping",
     "set_kv_buffer",
     "snapshot",
-    "split_kv_row_segments",
     "swa_available_size",
     "translate_loc_from_full_to_swa",
 ]
@@ -136,9 +135,10 @@ Slots = tuple[int, ...]
 
 
 class FreeGroup(BaseModel):
-    """The pages an open free group holds back until ``free_group_end`` (0.5.23, §1.5a), per pool and in the order
-    they are given back there: the page-id path first (kv-row segments; every SWA release at P == 1), in the order
-    given, then ``free``'s path (at P > 1 the sorted set of pages; at P == 1 the full slots in order)."""
+    """The pages an open free group holds back until ``free_group_end`` (0.5.23, §1.5a; held by nobody and in no free
+    list meanwhile), per pool and in the order they are given back there: the page-id path first (kv-row segments;
+    every SWA release at P == 1), in the order given, then ``free``'s path (at P > 1 the sorted set of pages; at
+    P == 1 the full slots in order)."""
 
     model_config = _FROZEN
 
@@ -791,9 +791,9 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
             forget.append(_page_rows(state, "swa", swa_pages))
             changes["swa"] = release_pages(state.swa, swa_pages)
         elif p > 1:  # held back: free_swa's pile, given back as a sorted set at the end (§1.5a)
-            changes["group"] = _hold(state.group, swa_set=swa_pages)
+            changes["group"], changes["swa"] = _hold(state.group, swa_set=swa_pages), _disown(state.swa, swa_pages)
         else:  # at P == 1 free_swa takes the page-id path
-            changes["group"] = _hold(state.group, swa_ids=swa_pages)
+            changes["group"], changes["swa"] = _hold(state.group, swa_ids=swa_pages), _disown(state.swa, swa_pages)
     if full:
         pages = [f // p for f in free_index]
         new_fill = list(state.fill)
@@ -806,7 +806,16 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
             changes["full"] = release_pages(state.full, pages)
         else:  # the full allocator's own group: free(cat(pending)) at the end
             changes["group"] = _hold(changes.get("group", state.group), full_set=pages)
+            changes["full"] = _disown(state.full, pages)
     return _replace(state, **changes, kv=forget_rows(state.kv, *forget) if forget else state.kv, epoch=epoch)
+
+
+def _disown(pool: PagedPool, pages: Iterable[int]) -> PagedPool:
+    """``pool`` with ``pages`` held by nobody and still out of the free list (held back by a free group)."""
+    owner = list(pool.owner)
+    for page in pages:
+        owner[page] = None
+    return trusted_pool(pool.page_size, pool.num_pages, pool.free_pages, tuple(owner))
 
 
 def _hold(group: FreeGroup, **more: Sequence[int]) -> FreeGroup:
@@ -875,39 +884,6 @@ def free_kv_row_segments(state: SWAAllocatorState, segments: Sequence[tuple[Sequ
     return state
 
 
-def split_kv_row_segments(segments: Sequence[tuple[Any, int]], swa_evicted_seqlen: int, swa_dead_lo: int,
-                          page_size: int) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
-    """``free_kv_row_segments``' split (0.5.23): the ``(slots, start_pos)`` pieces in ``[swa_dead_lo,
-    swa_evicted_seqlen)`` (full side only) and the rest, each piece a slice of its segment; raises
-    :class:`InvalidOperation` where 0.5.23 asserts (two segments sharing a page, a cursor splitting a page between
-    the two sides). ``slots`` may be any sliceable sequence (a list, a tensor)."""
-    op, p = "free_kv_row_segments", page_size
-    dead_lo, dead_hi = swa_dead_lo, max(swa_evicted_seqlen, swa_dead_lo)
-    dead: list[tuple[Any, int]] = []
-    alive: list[tuple[Any, int]] = []
-    prev_end: int | None = None
-    for slots, start in segments:
-        n = len(slots)
-        if n and prev_end is not None and not start // p > (prev_end - 1) // p:
-            raise InvalidOperation(op, "segments", f"the segment at position {start} shares a page with the one "
-                                                   f"ending at {prev_end}")
-        prev_end = start + n if n else prev_end
-        end = start + n
-        lo, hi = min(max(dead_lo, start), end), min(max(dead_hi, start), end)
-        if hi <= lo:
-            alive.append((slots, start))
-            continue
-        dead.append((slots[lo - start:hi - start], lo))
-        if lo > start:
-            alive.append((slots[:lo - start], start))
-        if end > hi:
-            alive.append((slots[hi - start:], hi))
-    if dead and alive and swa_evicted_seqlen % p:
-        raise InvalidOperation(op, "swa_evicted_seqlen", f"the SWA eviction cursor {swa_evicted_seqlen} splits a page "
-                                                         f"(page_size {p})")
-    return dead, alive
-
-
 def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start_pos: int, *, swa: bool,
              full: bool) -> SWAAllocatorState:
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
@@ -943,6 +919,7 @@ def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start
             forget.append(_page_rows(state, "swa", swa_pages))
         else:
             group = _hold(group, swa_ids=swa_pages)
+            changes["swa"] = _disown(state.swa, swa_pages)
     if full:
         pages = [r // p for r in reps]
         new_fill = list(state.fill)
@@ -954,6 +931,7 @@ def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start
             forget.append(_page_rows(state, "full", pages))
         else:  # P > 1: free_page_ids' pile; P == 1: the slots join free's pile (the token allocator frees them)
             group = _hold(group, **{"full_ids" if p > 1 else "full_set": pages})
+            changes["full"] = _disown(state.full, pages)
     if group is not state.group:
         changes["group"] = group
     return _replace(state, **changes, kv=forget_rows(state.kv, *forget) if forget else state.kv,

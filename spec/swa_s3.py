@@ -30,6 +30,11 @@ Transitions (§ of the semantics):
   ``free_swa`` (the SWA side only, M3), ``free_full`` (the full side, only when the
   live slots' M is 0): on the pages a slot list touches (§1.5); a released page's KV
   rows become undefined (also for ``clear`` and the pages ``restore_state`` gives back);
+* the 0.5.23 kv-row releases (docs/contract.md "§1.5a") ``free_segment``, ``free_swa_segment``,
+  ``free_full_segment``, ``free_kv_row_segments``: the same page effects, free-list order abstracted, with their
+  preconditions (the segment's live slots all mapped; all released; each page all one or the other); the free group
+  ``free_group_begin`` / ``free_group_end``: inside a group a release clears M and liveness at once and holds its
+  pages back, owned by nobody and in no free list, until the end gives them back;
 * ``clear`` (back to the initial pools and mapping), ``backup_state`` /
   ``restore_state`` (free lists and liveness only, never M: R3; a restore needs no
   release since the backup), ``set_full_to_swa_mapping`` (M on live slots, checked
@@ -64,7 +69,10 @@ Per operation (``swa_allocator.<op>.*``, each with a broken twin): the invariant
 kept by every mutator (twins: ``alloc`` without the mapping write, ``alloc_extend``
 without the M5 check, upstream's non-atomic ``alloc_decode`` (R7), the pre-#25805
 tail, ``free`` without its SWA side, ``free_swa`` without the M clear,
-``free_full`` without the peer check, ``clear`` of the full pool only,
+``free_full`` without the peer check, a segment release without its SWA side, ``free_swa_segment`` without the
+M clear, ``free_full_segment`` without the peer check, a kv-row release full side only, a nested
+``free_group_begin`` that resets the piles, a ``free_group_end`` of the full pile only, ``clear`` of the full pool
+only,
 ``restore_state`` after a release, ``set_full_to_swa_mapping`` unchecked);
 ``backup_state`` then an allocation then ``restore_state`` gives the free lists and
 liveness back (twin: M too, R3); ``get_cpu_copy`` then ``load_cpu_copy`` into the
@@ -106,6 +114,7 @@ __all__ = [
     "S3_DEPTH",
     "S3_EVENT",
     "SEARCH",
+    "SWA_RELEASES",
     "SYSTEM",
     "UNSAFE",
     "Action",
@@ -136,7 +145,9 @@ BOUNDED_DEPTH = 3  # deeper unsatisfiable BMC costs minutes; the induction cover
 
 #: The transitions, in the reference module's order; each is a function of kvproof.reference.swa_allocator.
 OPS = (
-    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "free", "free_swa", "free_full", "clear",
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail", "free", "free_swa", "free_full",
+    "free_segment", "free_swa_segment", "free_full_segment", "free_kv_row_segments", "free_group_begin",
+    "free_group_end", "clear",
     "backup_state", "restore_state", "set_full_to_swa_mapping", "set_kv_buffer", "get_cpu_copy", "load_cpu_copy",
     "translate_loc_from_full_to_swa",
 )
@@ -156,6 +167,12 @@ class Variant:
     free_releases_swa: bool = True  # free = full pages + free_swa
     free_swa_clears: bool = True  # free_swa zeroes M on the pages
     free_full_checks_peer: bool = True  # free_full only with M == 0 on the live slots
+    segment_releases_swa: bool = True  # free_segment = free_full_segment + free_swa_segment (0.5.23 kv-row release)
+    segment_swa_clears: bool = True  # free_swa_segment zeroes M on the pages
+    full_segment_checks_peer: bool = True  # free_full_segment only with M == 0 on the live slots
+    kv_row_releases_swa: bool = True  # free_kv_row_segments releases the SWA side past the eviction cursor
+    group_begin_checks_nesting: bool = True  # off: a nested free_group_begin resets the piles (0.5.23 asserts)
+    group_end_releases_swa: bool = True  # off: free_group_end gives back the full pile only
     clear_swa_pool: bool = True  # clear() resets the SWA allocator too
     restore_checks_epoch: bool = True  # restore_state only if nothing was released since backup_state
     mapping_checked: bool = True  # set_full_to_swa_mapping keeps M2 / M5 / G3
@@ -207,6 +224,9 @@ class State:
     copy_full: tuple[z3.ArithRef, ...]
     copy_mask: tuple[z3.BoolRef, ...]  # swa_mask
     copy_swa: tuple[z3.ArithRef, ...]  # the saved SWA row of each masked position (0 elsewhere)
+    grp: z3.BoolRef  # a free group is open (free_group_begin, §1.5a)
+    held_full: tuple[z3.BoolRef, ...]  # full pages the open group holds back: owned by nobody, not free
+    held_swa: tuple[z3.BoolRef, ...]
 
     @staticmethod
     def fresh(tag: str) -> State:
@@ -224,6 +244,8 @@ class State:
             copy_full=tuple(z3.Int(f"copy_full_{j}@{tag}") for j in range(ARGS)),
             copy_mask=tuple(z3.Bool(f"copy_mask_{j}@{tag}") for j in range(ARGS)),
             copy_swa=tuple(z3.Int(f"copy_swa_{j}@{tag}") for j in range(ARGS)),
+            grp=z3.Bool(f"grp@{tag}"), held_full=_pages("held_full", z3.Bool, f, tag),
+            held_swa=_pages("held_swa", z3.Bool, f, tag),
         )
 
     def restored(self) -> State:
@@ -371,7 +393,7 @@ def init(s: State, variant: Variant = FIXED) -> z3.BoolRef:
         z3.Not(s.bk_held), z3.Not(s.backup),
         *[s.kv_full[x] == 0 for x in REAL_SLOTS], *[s.kv_swa[x] == 0 for x in REAL_SLOTS],
         s.copy_len == 0, *[c == 0 for c in s.copy_full], *[z3.Not(c) for c in s.copy_mask],
-        *[c == 0 for c in s.copy_swa],
+        *[c == 0 for c in s.copy_swa], z3.Not(s.grp), *[z3.Not(h) for h in (*s.held_full[1:], *s.held_swa[1:])],
     )
 
 
@@ -506,7 +528,7 @@ def _extend(s: State, a: Action, t: State, v: Variant, *, tail: z3.BoolRef, bulk
         *[t.kv_full[x] == z3.If(z3.Or(e.hits(x)), 0, s.kv_full[x]) for x in REAL_SLOTS],
         *[t.kv_swa[y] == z3.If(new_swa_slot[y], 0, s.kv_swa[y]) for y in REAL_SLOTS],
         *_ts.unchanged(s, t, "bk_held", "backup", "bk_full_free", "bk_swa_free", "bk_live", "copy_len", "copy_full",
-                       "copy_mask", "copy_swa"),
+                       "copy_mask", "copy_swa", "grp", "held_full", "held_swa"),
     )
 
 
@@ -572,26 +594,43 @@ def _touches(s: State, a: Action) -> list[z3.BoolRef]:
     return [z3.Implies(a.pages[g], z3.Or([s.live[g * P + o] for o in range(P)])) for g in PAGES]
 
 
-RELEASES = ("free", "free_swa", "free_full")
+RELEASES = ("free", "free_swa", "free_full", "free_segment", "free_swa_segment", "free_full_segment",
+            "free_kv_row_segments")
+#: The releases that give back SWA pages through M (the double-free check watches them).
+SWA_RELEASES = ("free", "free_swa", "free_segment", "free_swa_segment", "free_kv_row_segments")
 
 
 def _release(s: State, a: Action, t: State, v: Variant, *, full: z3.BoolRef, swa: z3.BoolRef,
-             clears: z3.BoolRef, peer: z3.BoolRef) -> z3.BoolRef:
+             clears: z3.BoolRef, peer: z3.BoolRef, mapped: z3.BoolRef | None = None,
+             uniform: z3.BoolRef | None = None) -> z3.BoolRef:
     """Release the pages a slot list touches: the full side (``full``: pages, owners, liveness), the SWA side
     (``swa``: the SWA pages of their live slots' M), M = 0 on the pages (``clears``), and only pages whose live
     slots have M = 0 (``peer``, ``free_full``'s check). The flags are literals in a single op's relation and op
-    tests in the combined step. A backup goes stale when anything is released (the reference's epoch)."""
+    tests in the combined step. A backup goes stale when anything is released (the reference's epoch). The
+    segment calls (0.5.23, docs/contract.md "§1.5a") release the same pages; free-list order is abstracted here, so
+    what they add are their preconditions: every live slot of a touched page has its SWA peer (``mapped``:
+    ``free_segment``, ``free_swa_segment``), or each touched page is all mapped or all released (``uniform``:
+    ``free_kv_row_segments``, whose eviction cursor falls on a page boundary)."""
     touched = a.pages
+    mapped = z3.BoolVal(False) if mapped is None else mapped
+    uniform = z3.BoolVal(False) if uniform is None else uniform
     released = released_by_mapping(s, a)
     gone = {q: z3.And(swa, released[q]) for q in PAGES}
     returns = [z3.And(full, touched[g]) for g in PAGES] + list(gone.values())
+    hold, now = s.grp, z3.Not(s.grp)  # inside a free group the pages wait, owned by nobody, in no free list
     return z3.And(
+        *[t.held_full[g] == z3.Or(s.held_full[g], z3.And(hold, full, touched[g])) for g in PAGES],
+        *[t.held_swa[q] == z3.Or(s.held_swa[q], z3.And(hold, gone[q])) for q in PAGES],
         *_touches(s, a), *[_implies(peer, z3.Implies(z3.And(touched[x // P], s.live[x]), s.M[x] == 0))
                            for x in REAL_SLOTS],
-        *[t.full_free[g] == z3.Or(s.full_free[g], z3.And(full, touched[g])) for g in PAGES],
+        *[_implies(mapped, z3.Implies(z3.And(touched[x // P], s.live[x]), s.M[x] > 0)) for x in REAL_SLOTS],
+        *[_implies(uniform, z3.Implies(touched[g], z3.Or(
+            z3.And([z3.Implies(s.live[g * P + o], s.M[g * P + o] > 0) for o in range(P)]),
+            z3.And([z3.Implies(s.live[g * P + o], s.M[g * P + o] == 0) for o in range(P)])))) for g in PAGES],
+        *[t.full_free[g] == z3.Or(s.full_free[g], z3.And(now, full, touched[g])) for g in PAGES],
         *[t.full_owner[g] == z3.If(z3.And(full, touched[g]), 0, s.full_owner[g]) for g in PAGES],
         *[t.live[x] == z3.And(s.live[x], z3.Not(z3.And(full, touched[x // P]))) for x in REAL_SLOTS],
-        *[t.swa_free[q] == z3.Or(s.swa_free[q], gone[q]) for q in PAGES],
+        *[t.swa_free[q] == z3.Or(s.swa_free[q], z3.And(now, gone[q])) for q in PAGES],
         *[t.swa_owner[q] == z3.If(gone[q], 0, s.swa_owner[q]) for q in PAGES],
         *[t.M[x] == z3.If(z3.And(clears, touched[x // P]), 0, s.M[x]) for x in REAL_SLOTS],
         # a released page's rows are undefined: its next owner never reads the last one's (kvproof.reference.kv)
@@ -599,18 +638,55 @@ def _release(s: State, a: Action, t: State, v: Variant, *, full: z3.BoolRef, swa
         *[t.kv_swa[y] == z3.If(gone[y // P], 0, s.kv_swa[y]) for y in REAL_SLOTS],
         t.backup == z3.And(s.backup, *[z3.Not(r) for r in returns]),
         *_ts.unchanged_except(s, t, "full_free", "full_owner", "live", "swa_free", "swa_owner", "M", "kv_full",
-                              "kv_swa", "backup"),
+                              "kv_swa", "backup", "held_full", "held_swa"),
     )
+
+
+def _group_begin(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
+    def free_group_begin(s: State, a: Action, t: State) -> z3.BoolRef:
+        """``free_group_begin()``: open a group (groups do not nest: 0.5.23 asserts; the twin without the check
+        resets the piles of the open one, losing what it held)."""
+        if v.group_begin_checks_nesting:
+            return z3.And(z3.Not(s.grp), t.grp, *_ts.unchanged_except(s, t, "grp"))
+        return z3.And(t.grp, *[z3.Not(h) for h in (*t.held_full[1:], *t.held_swa[1:])],
+                      *_ts.unchanged_except(s, t, "grp", "held_full", "held_swa"))
+
+    return free_group_begin
+
+
+def _group_end(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
+    def free_group_end(s: State, a: Action, t: State) -> z3.BoolRef:
+        """``free_group_end()`` of an open group: every held page goes back to its free list (the piles' order is
+        abstracted); a held backup is stale if anything went back (the reference's epoch)."""
+        swa_back = [z3.And(s.held_swa[q], z3.BoolVal(v.group_end_releases_swa)) for q in PAGES]
+        given = [s.held_full[g] for g in PAGES] + swa_back
+        return z3.And(
+            s.grp, z3.Not(t.grp), *[z3.Not(h) for h in (*t.held_full[1:], *t.held_swa[1:])],
+            *[t.full_free[g] == z3.Or(s.full_free[g], s.held_full[g]) for g in PAGES],
+            *[t.swa_free[q] == z3.Or(s.swa_free[q], b) for q, b in zip(PAGES, swa_back, strict=True)],
+            t.backup == z3.And(s.backup, *[z3.Not(r) for r in given]),
+            *_ts.unchanged_except(s, t, "grp", "held_full", "held_swa", "full_free", "swa_free", "backup"),
+        )
+
+    return free_group_end
 
 
 def _release_flags(v: Variant, op: Callable[[str], z3.BoolRef]) -> dict[str, z3.BoolRef]:
     """:func:`_release`'s flags from ``op(name)``, "this step performs ``name``"."""
+    seg = z3.And(op("free_segment"), z3.BoolVal(v.segment_releases_swa))
+    row = z3.And(op("free_kv_row_segments"), z3.BoolVal(v.kv_row_releases_swa))
     return {
-        "full": z3.Or(op("free"), op("free_full")),
-        "swa": z3.Or(z3.And(op("free"), z3.BoolVal(v.free_releases_swa)), op("free_swa")),
+        "full": z3.Or(op("free"), op("free_full"), op("free_segment"), op("free_full_segment"),
+                      op("free_kv_row_segments")),
+        "swa": z3.Or(z3.And(op("free"), z3.BoolVal(v.free_releases_swa)), op("free_swa"), seg,
+                     op("free_swa_segment"), row),
         "clears": z3.Or(z3.And(op("free"), z3.BoolVal(v.free_releases_swa)),
-                        z3.And(op("free_swa"), z3.BoolVal(v.free_swa_clears))),
-        "peer": z3.And(op("free_full"), z3.BoolVal(v.free_full_checks_peer)),
+                        z3.And(op("free_swa"), z3.BoolVal(v.free_swa_clears)), seg,
+                        z3.And(op("free_swa_segment"), z3.BoolVal(v.segment_swa_clears)), row),
+        "peer": z3.Or(z3.And(op("free_full"), z3.BoolVal(v.free_full_checks_peer)),
+                      z3.And(op("free_full_segment"), z3.BoolVal(v.full_segment_checks_peer))),
+        "mapped": z3.Or(op("free_segment"), op("free_swa_segment")),
+        "uniform": op("free_kv_row_segments"),
     }
 
 
@@ -620,6 +696,15 @@ _RELEASE_DOCS = {
                 "(M3, §1.5, §1.6).",
     "free_full": "``free_full(idx)``: the touched full pages, whose live slots' SWA side is released already "
                  "(M = 0).",
+    "free_segment": "``free_segment(idx, start_pos)``: ``free`` of a kv-row segment whose live slots all have their "
+                    "SWA peer (0.5.23 ``swa.peer_mapped``); its page order is abstracted (§1.5a).",
+    "free_swa_segment": "``free_swa_segment(idx, start_pos)``: ``free_swa`` of a kv-row segment whose live slots all "
+                        "have their SWA peer (§1.5a).",
+    "free_full_segment": "``free_full_segment(idx, start_pos)``: ``free_full`` of a kv-row segment (M = 0 on its "
+                         "live slots, §1.5a).",
+    "free_kv_row_segments": "``free_kv_row_segments(segments, swa_evicted_seqlen)``: the pages before the eviction "
+                            "cursor full side only, the rest both sides; each touched page all mapped or all "
+                            "released (the cursor falls on a page boundary, §1.5a).",
 }
 
 
@@ -647,6 +732,7 @@ def _clear(v: Variant) -> Callable[[State, Action, State], z3.BoolRef]:
             z3.Not(t.backup), *[t.kv_full[x] == 0 for x in REAL_SLOTS], *[t.kv_swa[y] == 0 for y in REAL_SLOTS],
             *_ts.unchanged(s, t, "bk_held", "bk_full_free", "bk_swa_free", "bk_live", "copy_len", "copy_full",
                            "copy_mask", "copy_swa"),
+            z3.Not(t.grp), *[z3.Not(h) for h in (*t.held_full[1:], *t.held_swa[1:])],  # 0.5.23 clear resets groups
         )
 
     return clear
@@ -702,7 +788,7 @@ def live_mapping_clauses(s: State, *, page_locality: bool = True) -> list[Clause
                                 z3.Implies(both, z3.Not(same_page))))
     for q in PAGES:
         clauses.append((f"G3: allocated SWA page {q} is mapped from a live full slot",
-                        z3.Implies(z3.Not(s.swa_free[q]), _in_use(s, q))))
+                        z3.Implies(z3.Not(z3.Or(s.swa_free[q], s.held_swa[q])), _in_use(s, q))))
     return clauses
 
 
@@ -842,10 +928,15 @@ def _core_clauses(s: State, variant: Variant) -> list[Clause]:
         clauses.append((f"M1: M[{x}] is 0 or a real SWA slot", z3.Or(s.M[x] == 0, _real_slot(s.M[x]))))
     for g in PAGES:
         idle = z3.And(s.full_owner[g] == 0, *[z3.Not(s.live[g * P + o]) for o in range(P)])
-        clauses.append((f"G3: full page {g} is free iff unowned, and then nothing on it is live", z3.And(
-            z3.Implies(s.full_free[g], idle), z3.Implies(z3.Not(s.full_free[g]), s.full_owner[g] >= 1))))
-        clauses.append((f"G3: SWA page {g} is free iff unowned",
-                        z3.And(s.swa_free[g] == (s.swa_owner[g] == 0), s.swa_owner[g] >= 0)))
+        clauses.append((f"G3: full page {g} is free or held back iff unowned, and then nothing on it is live",
+                        z3.And(z3.Implies(z3.Or(s.full_free[g], s.held_full[g]), idle),
+                               z3.Implies(z3.Not(z3.Or(s.full_free[g], s.held_full[g])), s.full_owner[g] >= 1))))
+        clauses.append((f"G3: SWA page {g} is free or held back iff unowned",
+                        z3.And(z3.Or(s.swa_free[g], s.held_swa[g]) == (s.swa_owner[g] == 0), s.swa_owner[g] >= 0)))
+        clauses.append((f"group: page {g} is held back only by an open group, and then is in no free list",
+                        z3.And(z3.Implies(z3.Or(s.held_full[g], s.held_swa[g]), s.grp),
+                               z3.Implies(s.held_full[g], z3.Not(s.full_free[g])),
+                               z3.Implies(s.held_swa[g], z3.Not(s.swa_free[g])))))
         clauses.append((f"full page {g}: page index 0 or 1", z3.And(s.page_index[g] >= 0, s.page_index[g] <= 1)))
     return clauses + live_mapping_clauses(s, page_locality=variant.page_locality) + _row_clauses(s)
 
@@ -872,6 +963,9 @@ def backup_clauses(s: State) -> list[Clause]:
                         z3.Implies(s.full_free[g], s.bk_full_free[g])))
         clauses.append((f"backup: SWA page {g} free now => free in the backup",
                         z3.Implies(s.swa_free[g], s.bk_swa_free[g])))
+        clauses.append((f"backup: page {g} held back by the open group => in use in the backup too (held since)",
+                        z3.And(z3.Implies(s.held_full[g], z3.Not(s.bk_full_free[g])),
+                               z3.Implies(s.held_swa[g], z3.Not(s.bk_swa_free[g])))))
         clauses.append((f"backup: full page {g} free in the backup => none of its slots live in it",
                         z3.Implies(s.bk_full_free[g], z3.And([z3.Not(s.bk_live[g * P + o]) for o in range(P)]))))
     for x in REAL_SLOTS:
@@ -882,8 +976,8 @@ def backup_clauses(s: State) -> list[Clause]:
                                                         z3.Not(s.bk_swa_free[q]))))
     for q in PAGES:
         used = z3.Or([z3.And(s.bk_live[x], s.M[x] > 0, swa_page_of(s.M[x], q)) for x in REAL_SLOTS])
-        clauses.append((f"backup: SWA page {q} allocated in the backup => mapped from a slot live in it (G3)",
-                        z3.Implies(z3.Not(s.bk_swa_free[q]), used)))
+        clauses.append((f"backup: SWA page {q} allocated in the backup and not held back => mapped from a slot live "
+                        "in it (G3)", z3.Implies(z3.And(z3.Not(s.bk_swa_free[q]), z3.Not(s.held_swa[q])), used)))
     return clauses
 
 
@@ -906,7 +1000,7 @@ def intended_clauses(s: State) -> list[Clause]:
 # ---- rendering --------------------------------------------------------------------------------------------
 
 COLUMNS = ("full free", "SWA free", "M (nonzero)", "live slot:owner", "backup held", "KV full", "KV SWA",
-           "CPU copy held")
+           "CPU copy held", "free group")
 
 
 def _ints(xs: Sequence[int]) -> str:
@@ -926,7 +1020,7 @@ def _free_pages(model: z3.ModelRef, flags: Sequence[z3.BoolRef]) -> list[int]:
 
 
 def cells(model: z3.ModelRef, s: State) -> tuple[str, ...]:
-    """A state as table cells; the optional columns (backup, rows, copy) are ``""`` when empty."""
+    """A state as table cells; the optional columns (backup, rows, copy, group) are ``""`` when empty."""
     live = [(x, as_int(model, s.full_owner[x // P])) for x in REAL_SLOTS if as_bool(model, s.live[x])]
     backup = ""
     if as_bool(model, s.bk_held):
@@ -944,6 +1038,8 @@ def cells(model: z3.ModelRef, s: State) -> tuple[str, ...]:
         _ints(_free_pages(model, s.full_free)), _ints(_free_pages(model, s.swa_free)),
         " ".join(f"{x}->{m}" for x in REAL_SLOTS if (m := as_int(model, s.M[x]))) or "-",
         " ".join(f"{x}:{o}" for x, o in live) or "-", backup, _rows(model, s.kv_full), _rows(model, s.kv_swa), copy,
+        (f"open; holds full {_ints(_free_pages(model, s.held_full))}, SWA {_ints(_free_pages(model, s.held_swa))}"
+         if as_bool(model, s.grp) else ""),
     )
 
 
@@ -972,7 +1068,7 @@ def describe(model: z3.ModelRef, step: Step[State, Action]) -> str:
         return f"{op}({args}{last}) -> request {req}: {took}"
     if op == "alloc_extend_swa_tail":
         return f"alloc_extend_swa_tail(prefix={p}, seq={n}, swa_tail_len={tail}{last}) -> request {req}: {took}"
-    if op in ("free", "free_swa", "free_full"):
+    if op in RELEASES:
         return f"{op}({slots}) -> releases full pages {_ints(back_full)}, SWA pages {_ints(back_swa)}"
     if op == "restore_state":
         return f"restore_state() -> gives back full pages {_ints(back_full)}, SWA pages {_ints(back_swa)}"
@@ -1001,6 +1097,8 @@ def system(variant: Variant = FIXED) -> TransitionSystem[State, Action]:
     transitions: dict[str, Callable[[State, Action, State], z3.BoolRef]] = {
         **{op: _allocation(variant, op) for op in ALLOCATIONS},
         **{op: _releasing(variant, op) for op in RELEASES},
+        "free_group_begin": _group_begin(variant),
+        "free_group_end": _group_end(variant),
         "clear": _clear(variant),
         "backup_state": backup_state,
         "restore_state": _restore_state(variant),
@@ -1081,7 +1179,7 @@ DRAFTS: Search[State, Action] = Search(("alloc_extend", "backup_state", "restore
 def double_free(step: Step[State, Action]) -> z3.BoolRef:
     """``free`` / ``free_swa`` releases an SWA page (through M) that is already free."""
     released = released_by_mapping(step.pre, step.action)
-    return z3.And(step.performs(("free", "free_swa")),
+    return z3.And(step.performs(SWA_RELEASES),
                   z3.Or([z3.And(released[q], step.pre.swa_free[q]) for q in PAGES]))
 
 
@@ -1106,7 +1204,7 @@ def explain_unsafe(model: z3.ModelRef, step: Step[State, Action]) -> str:
     """Why a step is unsafe, in words."""
     s, a, t, n = step.pre, step.action, step.post, step.index + 1
     for q, released in released_by_mapping(s, a).items():
-        if as_bool(model, step.performs(("free", "free_swa"))) and as_bool(model, released) \
+        if as_bool(model, step.performs(SWA_RELEASES)) and as_bool(model, released) \
                 and as_bool(model, s.swa_free[q]):
             return f"step {n}: SWA page {q} is released although it is already free (double free)"
     for q in PAGES:
@@ -1398,6 +1496,24 @@ def _op_obligations() -> tuple[Obligation, ...]:
                Variant(free_swa_clears=False)),
         *keeps("free_full", f"{m2}; only pages whose live slots have M = 0", "unchecked", "a free_full of pages whose "
                "SWA side is still mapped strands their SWA pages (G3)", Variant(free_full_checks_peer=False)),
+        *keeps("free_segment", f"{m2}; a segment whose live slots all have their SWA peer", "full_side_only",
+               "a segment release without its SWA side (free_full_segment of mapped positions, unchecked) strands "
+               "their SWA pages (G3)", Variant(segment_releases_swa=False)),
+        *keeps("free_swa_segment", f"{m2}; M = 0 on the touched pages", "no_clear",
+               "a free_swa_segment that does not clear M leaves live slots mapped to released SWA pages",
+               Variant(segment_swa_clears=False)),
+        *keeps("free_full_segment", f"{m2}; only pages whose live slots have M = 0", "unchecked",
+               "a free_full_segment of pages whose SWA side is still mapped strands their SWA pages (G3)",
+               Variant(full_segment_checks_peer=False)),
+        *keeps("free_kv_row_segments", f"{m2}; released pages before the cursor, mapped ones after it",
+               "full_side_only", "a kv-row release that frees every segment full side only strands the SWA pages "
+               "past the eviction cursor (G3)", Variant(kv_row_releases_swa=False)),
+        *keeps("free_group_begin", f"{m2}; held pages only while a group is open", "nested_reset",
+               "without 0.5.23's no-nesting assertion a second free_group_begin resets the piles and the pages the "
+               "open group held are neither free nor held by anyone (G3)", Variant(group_begin_checks_nesting=False)),
+        *keeps("free_group_end", f"{m2}; every held page back in its free list", "full_pile_only",
+               "a free_group_end that gives back the full pile only leaves the held SWA pages allocated to no live "
+               "slot (G3)", Variant(group_end_releases_swa=False)),
         *keeps("clear", m2, "full_pool_only", "a clear() of the full allocator only keeps every SWA page allocated "
                "to no live slot (G3)", Variant(clear_swa_pool=False)),
         _ts.obligation(SYSTEM, "restore_state.keeps_invariant", f"post-#25805 bounded allocator: restore_state after "
@@ -1478,9 +1594,10 @@ OBLIGATIONS: tuple[Obligation, ...] = (
     _ts.obligation(SYSTEM, f"{NAME}.initiation.clear_keeps_mapping", "a clear() that forgets M[:-1] = 0 starts "
                    "outside M1", _ts.initiation(system(CLEAR_FORGETS_M)), family=FAMILY,
                    twin_of=f"{NAME}.initiation"),
-    _ts.obligation(SYSTEM, f"{NAME}.consecution", "post-#25805 bounded allocator: every op (the 15 transitions, "
-                   "named like the reference functions) preserves the invariant (M2 as maintained on live slots, G3, "
-                   "and the same after a restore while a backup is held)", _ts.consecution(SYSTEM), family=FAMILY),
+    _ts.obligation(SYSTEM, f"{NAME}.consecution", f"post-#25805 bounded allocator: every op (the {len(OPS)} "
+                   "transitions, named like the reference functions) preserves the invariant (M2 as maintained on "
+                   "live slots, G3, and the same after a restore while a backup is held)", _ts.consecution(SYSTEM),
+                   family=FAMILY),
     _ts.obligation(SYSTEM, f"{NAME}.consecution.pre_25805", "pre-#25805 alloc_extend_swa_tail leaves stale M on live "
                    "prefix slots (R1)", _ts.consecution(system(PRE_25805)).also(_quiet()), family=FAMILY,
                    twin_of=f"{NAME}.consecution"),

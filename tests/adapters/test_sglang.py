@@ -415,3 +415,31 @@ def test_free_groups_and_segments_release_in_the_references_order(sglang_modules
         s = on_reference(s)
         assert impl.snapshot() == ref.snapshot(s), f"after {name}: SGLang {impl.snapshot()}, reference {s}"
     assert set(impl.snapshot().full_to_swa_index_mapping[:-1]) == {0}  # every request released
+
+
+# ---------------------------------------------------------------- the decode queue's own budget functions
+
+
+@needs_sglang
+def test_the_decode_queues_budget_functions_agree_with_the_reference_in_lockstep(sglang_modules) -> None:
+    """0.5.23's DecodePreallocQueue functions (required tokens, tail lengths, the admission round's budgets) on the
+    real allocator, after every step of the decode-node simulation, equal the reference's (corrected policy: 0.5.23
+    page-rounds, R4); and a budget one token off is caught (the check is not vacuous)."""
+    from kvproof.conformance.adapters.sglang_decode_budgets import SGLangDecodeNode
+
+    class OneTokenOff(SGLangDecodeNode):
+        def decode_budgets(self, running, retracted, queued, **kwargs):
+            out = super().decode_budgets(running, retracted, queued, **kwargs)
+            full, swa = out["budgets"]
+            out["budgets"] = (full - 1, swa)
+            return out
+
+    for config in [c for c in CONFORMANCE_CONFIGS if c.page_size > 1][:2]:
+        report = run_check("decode_prealloc", SGLangDecodeNode, config, failures_dir=None, isolation="in-process",
+                           accept=("F1",))
+        assert report.passed, report.failure
+        assert report.steps > 500
+        broken = run_check("decode_prealloc", OneTokenOff, config, failures_dir=None, isolation="in-process",
+                           accept=("F1",))
+        assert not broken.passed and broken.evidence is not None and broken.evidence["check"] == "budget", \
+            broken.failure

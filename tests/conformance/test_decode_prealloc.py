@@ -60,7 +60,7 @@ def test_rules_an_allocator_cannot_serve_are_not_applicable_and_not_run() -> Non
     from kvproof.reference.contract import Capability
 
     class NoDecode(SWATokenToKVPoolAllocator):
-        capabilities = frozenset(Capability) - {Capability.ALLOC_DECODE}
+        capabilities = frozenset(Capability) - {Capability.ALLOC_DECODE, Capability.DECODE_BUDGETS}
 
     assert Capability.ALLOC in allocating_needs(CONFORMANCE_CONFIGS[0])
     assert Capability.ALLOC not in allocating_needs(CONFORMANCE_CONFIGS[2])

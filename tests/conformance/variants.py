@@ -57,7 +57,7 @@ class RelabelledReference:
     device = "cpu"
     capabilities = frozenset(Capability) - {Capability.EXACT_PAGE_ORDER, Capability.REGISTER_MAPPING,
                                             Capability.FORWARD, Capability.GRAPH_CAPTURE, Capability.FREE_GROUP,
-                                            Capability.FREE_SEGMENT}
+                                            Capability.FREE_SEGMENT, Capability.DECODE_BUDGETS}
 
     def __init__(self, config: PoolConfig) -> None:
         self.config, self._inner = config, ReferenceAllocator(config)

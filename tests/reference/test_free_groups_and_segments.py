@@ -32,8 +32,9 @@ def test_a_group_holds_pages_back_and_gives_them_back_in_0_5_23_order() -> None:
     g = ref.free_segment(g, list(c), 0)
     g = ref.free(g, list(a))
     assert g.full.free_pages == s.full.free_pages and g.swa.free_pages == s.swa.free_pages  # held back
+    assert g.full.owner[1] is None and g.full.owner[3] is None  # by nobody
     assert all(g.full_to_swa_index_mapping[x] == 0 for x in (*a, *c))  # the mapping is cleared at the call
-    with pytest.raises(InvalidOperation, match="never handed out"):  # no longer live: freeing again is misuse
+    with pytest.raises(InvalidOperation, match="double free"):  # held by nobody now: freeing again is misuse
         ref.free(g, list(a))
     ended = ref.free_group_end(g)
     # free's sorted set first, then the segment's pages in front of it (the last pile given back is handed out first)

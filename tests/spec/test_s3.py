@@ -57,8 +57,10 @@ def test_every_op_is_enabled_from_clear_and_changes_the_state() -> None:
     reads = {"translate_loc_from_full_to_swa"}
     for op in swa_s3.SYSTEM.ops:
         prefix = [] if op in (*swa_s3.ALLOCATIONS, "backup_state") else ["alloc_extend"]
-        if op == "free_full":
+        if op in ("free_full", "free_full_segment"):
             prefix = ["alloc_extend", "free_swa"]
+        if op == "free_group_end":  # gives back what a release inside the group held
+            prefix = ["alloc_extend", "free_group_begin", "free"]
         if op == "restore_state":
             prefix = ["backup_state", "alloc_extend"]
         if op == "load_cpu_copy":

@@ -31,7 +31,7 @@ def test_the_component_exports_its_system_and_obligations() -> None:
 
 
 def test_every_reference_op_has_a_transition_of_its_name() -> None:
-    assert len(OPS) == 15, OPS
+    assert len(OPS) == 21, OPS
     assert sorted(swa_allocator.SYSTEM.ops) == OPS
     assert swa_allocator.SYSTEM.ops == swa_s3.OPS
 
