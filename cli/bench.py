@@ -28,6 +28,10 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 * ``tp_prefetch``: per prefetch on a real group of 2 and of 4 rank processes (gloo on loopback), the milliseconds
   of the storage-hit sync (one all-reduce and the command round trip) and of the whole check (five operations,
   the commit included), their ratio, the group's start; and the lockstep's checked prefetches per second;
+* ``block_pool``: scheduler steps per second (admission with a prefix lookup, prefill chunks, decodes,
+  out-of-window releases, finishes, over prompts sharing prefixes) of vLLM 0.33.0's manager as kvproof models it:
+  kvproof's torch runtime and the pure reference on the same seeded sequence, and the lockstep's checked steps/s
+  against the runtime;
 * ``admission``: ``add_one_req`` decisions per second (each with its match, in rounds of 8
   requests over a HiCache tree, load-back and the round's allocation included) on the runtime
   and on the reference, and a table of how many requests one round admits under each policy
@@ -44,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from hypothesis import settings
@@ -537,6 +542,75 @@ def _tp_prefetch(quick: bool) -> Section:
                "tp_lockstep_prefetches_per_s": checks_per_s, "tp_lockstep_steps_per_s": steps_per_s})
 
 
+def block_pool_steps_per_second(kind: str, steps: int) -> float:
+    """Scheduler steps per second of the ``block_pool`` manager (``kind``: ``runtime`` or ``reference``) on one seeded
+    sequence: admit a request (prompt a prefix of one of four base sequences: hits) with its lookup, prefill it in
+    chunks of up to 16 tokens, decode, release what left the window, finish; 2048 blocks of 16 tokens, window 64."""
+    from kvproof.conformance.reference_impl import ReferenceBlockPool
+    from kvproof.reference import block_pool as bp
+
+    config = bp.BlockPoolConfig(block_size=16, num_blocks=2048, sliding_window=64, max_model_len=1024)
+    if kind == "runtime":
+        from kvproof.gpu_runtime.block_pool import BlockPoolRuntime
+
+        impl: Any = BlockPoolRuntime(config)
+    else:
+        impl = ReferenceBlockPool(config)
+    rng = random.Random(7)
+    bases = [[rng.randrange(30_000) for _ in range(1024)] for _ in range(4)]
+    running: dict[int, list[Any]] = {}  # rid -> [tokens, computed, decodes left]
+    rid = 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        if len(running) < 16:
+            rid += 1
+            tokens = bases[rng.randrange(4)][:rng.randint(16, 256)]
+            hit = impl.get_computed_blocks(tokens)
+            chunk = min(16, len(tokens) - hit.num_tokens)
+            impl.allocate_slots(rid, tokens, 0, chunk, hit, True)
+            running[rid] = [tokens, hit.num_tokens + chunk, rng.randint(1, 64)]
+            continue
+        r = rng.choice(sorted(running))
+        tokens, computed, left = running[r]
+        if computed == len(tokens):
+            if not left:
+                impl.free(r)
+                del running[r]
+                continue
+            tokens = [*tokens, rng.randrange(30_000)]
+            left -= 1
+        n = min(16, len(tokens) - computed)
+        impl.remove_skipped_blocks(r, computed)
+        impl.allocate_slots(r, tokens, computed, n)
+        running[r] = [tokens, computed + n, left]
+    return steps / (time.perf_counter() - start)
+
+
+def _block_pool(quick: bool) -> Section:
+    from kvproof.conformance.block_pool import BLOCK_POOL_CONFIGS
+    from kvproof.conformance.check import run_check
+    from kvproof.conformance.plan import load_factory
+    from kvproof.reference.registry import info
+
+    steps = 300 if quick else 3000
+    runtime = block_pool_steps_per_second("runtime", steps)
+    reference = block_pool_steps_per_second("reference", steps)
+    rows = {"block_pool scheduler steps/s, B=16, 2048 blocks, W=64 (runtime)": f"{runtime:,.0f}",
+            "block_pool scheduler steps/s (reference)": f"{reference:,.0f}",
+            "block_pool runtime / reference": f"{runtime / reference:.2f}x"}
+    values = {"block_pool_steps_per_s": runtime, "block_pool_reference_steps_per_s": reference,
+              "block_pool_vs_reference": runtime / reference}
+    profile = settings(get_profile("ci"), max_examples=10 if quick else 40)
+    factory = load_factory(info(Component.BLOCK_POOL).default_impl)
+    report = run_check(Component.BLOCK_POOL, factory, BLOCK_POOL_CONFIGS[2], settings=profile, failures_dir=None)
+    if not report.passed:
+        raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
+    lockstep = report.steps / report.seconds
+    rows["block_pool lockstep steps/s (default implementation, one config)"] = f"{lockstep:,.0f}"
+    values["block_pool_lockstep_steps_per_s"] = lockstep
+    return Section(rows=rows, values=values)
+
+
 #: The benchmark's sections, one per component of the registry (``tests/test_registry.py`` checks the keys).
 SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.SWA_ALLOCATOR: _swa_allocator,
@@ -545,6 +619,7 @@ SECTIONS: dict[Component, Callable[[bool], Section]] = {
     Component.HISPARSE_HOST: _hisparse_host,
     Component.ADMISSION: _admission,
     Component.TP_PREFETCH: _tp_prefetch,
+    Component.BLOCK_POOL: _block_pool,
 }
 
 

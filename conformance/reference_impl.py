@@ -9,8 +9,11 @@ and gives third parties an executable model with SGLang's method names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from kvproof.reference import block_pool as bp
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.config import PoolConfig
@@ -19,7 +22,7 @@ from kvproof.reference.errors import InvalidOperation
 from kvproof.reference.registry import Component
 from kvproof.reference.snapshot import AllocatorSnapshot
 
-__all__ = ["ReferenceAllocator", "ReferenceHostPool", "ReferenceKVPool"]
+__all__ = ["ReferenceAllocator", "ReferenceBlockPool", "ReferenceHostPool", "ReferenceKVPool"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -215,3 +218,45 @@ class ReferenceHostPool:
 
     def snapshot(self) -> hh.HostPoolSnapshot:
         return hh.snapshot(self.state)
+
+
+class ReferenceBlockPool:
+    """Component ``block_pool``: the pure reference behind ``BlockPoolUnderTest``."""
+
+    capabilities = frozenset({Capability.REJECTS_MISUSE, Capability.EXACT_PAGE_ORDER})
+    components = frozenset({Component.BLOCK_POOL})
+
+    def __init__(self, config: bp.BlockPoolConfig) -> None:
+        self.config = config
+        self.state = bp.initial_state(config)
+
+    def get_computed_blocks(self, tokens: Sequence[int], max_cache_hit_length: int | None = None) -> bp.Hit:
+        return bp.get_computed_blocks(self.state, tokens, max_cache_hit_length)
+
+    def allocate_slots(self, req: int, tokens: Sequence[int], num_computed_tokens: int, num_new_tokens: int,
+                       hit: bp.Hit | None = None, full_sequence_must_fit: bool = False) -> tuple[tuple[int, ...], ...]:
+        self.state, new = bp.allocate_slots(self.state, req, tokens, num_computed_tokens, num_new_tokens, hit,
+                                            full_sequence_must_fit)
+        return new
+
+    def remove_skipped_blocks(self, req: int, num_computed_tokens: int) -> None:
+        self.state = bp.remove_skipped_blocks(self.state, req, num_computed_tokens)
+
+    def free(self, req: int) -> None:
+        self.state = bp.free(self.state, req)
+
+    def cache_blocks(self, req: int, tokens: Sequence[int], num_tokens: int) -> None:
+        self.state = bp.cache_blocks(self.state, req, tokens, num_tokens)
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        self.state = bp.evict_blocks(self.state, block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        self.state, done = bp.reset_prefix_cache(self.state)
+        return done
+
+    def get_num_free_blocks(self) -> int:
+        return bp.get_num_free_blocks(self.state)
+
+    def snapshot(self) -> bp.BlockPoolSnapshot:
+        return bp.snapshot(self.state)

@@ -15,7 +15,7 @@ from kvproof.reference.snapshot import AllocatorSnapshot, PoolSnapshot
 #: The components kvproof models, in the order every layer, CLI and report lists them.
 #: One name each, used as spec component, reference module, conformance suite and test id.
 COMPONENTS: tuple[str, ...] = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission",
-                               "tp_prefetch")
+                               "tp_prefetch", "block_pool")
 
 __all__ = [
     "COMPONENTS",

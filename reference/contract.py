@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvproof.reference.admission import AddReqResult, AdmissionSetup, AdmissionSnapshot, ChunkedResult
+from kvproof.reference.block_pool import BlockPoolConfig, BlockPoolSnapshot, Hit
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.hisparse_host import HostPoolConfig, HostPoolSnapshot
 from kvproof.reference.registry import Component
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CALLER_OWNED_RESULTS", "PROTOCOLS", "AdmissionFactory", "AdmissionSystemUnderTest", "AllocatorFactory",
-           "BudgetRequest", "Capability", "DecodeBudgetsUnderTest", "HostPoolFactory", "HostPoolUnderTest",
+           "BlockPoolFactory", "BlockPoolUnderTest", "BudgetRequest", "Capability", "DecodeBudgetsUnderTest",
+           "HostPoolFactory", "HostPoolUnderTest",
            "KVPoolUnderTest", "LocCacheSystemUnderTest", "SWAAllocatorUnderTest", "TPPrefetchFactory",
            "TPPrefetchUnderTest"]
 
@@ -229,6 +231,46 @@ class HostPoolUnderTest(Protocol):
 
 HostPoolFactory = Callable[[HostPoolConfig], HostPoolUnderTest]
 
+
+@runtime_checkable
+class BlockPoolUnderTest(Protocol):
+    """Component ``block_pool`` (docs/block_pool.md): a request-level KV cache manager over one block pool with a
+    null block, a prefix cache, a full-attention group and optionally a sliding-window group.
+
+    Method names and arguments are vLLM 0.33.0's ``KVCacheManager`` ones in kvproof's terms: a request is an
+    ``int`` id with its token ids passed in (the scheduler owns them, as vLLM's ``Request``); block lists are per
+    group, group 0 full attention, group 1 the sliding window; block 0 is the null block. Failure is raised:
+    ``OutOfMemory`` where vLLM's ``allocate_slots`` returns ``None`` (state unchanged once
+    ``remove_skipped_blocks`` ran), ``InvalidOperation`` for misuse. ``snapshot`` reports block keys as
+    ``(group, token prefix)``: an implementation hashing blocks maps its hashes back to the prefixes they cover.
+    Declared capabilities: ``EXACT_PAGE_ORDER`` (the free queue in vLLM's order), ``REJECTS_MISUSE``.
+    """
+
+    capabilities: frozenset[Capability]
+
+    def get_computed_blocks(self, tokens: Sequence[int], max_cache_hit_length: int | None = None) -> Hit: ...
+
+    def allocate_slots(self, req: int, tokens: Sequence[int], num_computed_tokens: int, num_new_tokens: int,
+                       hit: Hit | None = None, full_sequence_must_fit: bool = False
+                       ) -> tuple[tuple[int, ...], ...]: ...
+
+    def remove_skipped_blocks(self, req: int, num_computed_tokens: int) -> None: ...
+
+    def free(self, req: int) -> None: ...
+
+    def cache_blocks(self, req: int, tokens: Sequence[int], num_tokens: int) -> None: ...
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+    def snapshot(self) -> BlockPoolSnapshot: ...
+
+
+BlockPoolFactory = Callable[[BlockPoolConfig], BlockPoolUnderTest]
+
 @runtime_checkable
 class AdmissionSystemUnderTest(Protocol):
     """Component ``admission`` (sglang_semantics.md §5): a prefill scheduler's SWA admission over a HiCache tree.
@@ -337,13 +379,15 @@ PROTOCOLS: dict[Component, tuple[type, ...]] = {
     Component.HISPARSE_HOST: (HostPoolUnderTest,),
     Component.ADMISSION: (AdmissionSystemUnderTest,),
     Component.TP_PREFETCH: (TPPrefetchUnderTest,),
+    Component.BLOCK_POOL: (BlockPoolUnderTest,),
 }
 
 #: Methods that only report: they do not change what ``snapshot()`` reports (the lockstep harness takes one snapshot
 #: between two calls that may change it). ``translate_loc_from_full_to_swa`` may fill the loc cache: a memo, not state.
 QUERIES: frozenset[str] = frozenset({
     "snapshot", "available_size", "full_available_size", "swa_available_size", "get_kvcache", "get_kv_buffer",
-    "translate_loc_from_full_to_swa", "allocated_host_indices", "get_host_data",
+    "translate_loc_from_full_to_swa", "allocated_host_indices", "get_host_data", "get_computed_blocks",
+    "get_num_free_blocks",
 })
 
 #: Methods that hand the caller index tensors it owns from then on: no later call may write into what they

@@ -45,6 +45,7 @@ class Component(enum.StrEnum):
     HISPARSE_HOST = "hisparse_host"
     ADMISSION = "admission"
     TP_PREFETCH = "tp_prefetch"
+    BLOCK_POOL = "block_pool"
 
 
 class Layer(enum.StrEnum):
@@ -86,7 +87,8 @@ class ComponentInfo:
 
     component: Component
     title: str
-    #: sections of ../shared/research/sglang_semantics.md the component models
+    #: where its semantics are written: sections of ../shared/research/sglang_semantics.md (SGLang components), or
+    #: of a document of kvproof's own (``docs/block_pool.md`` for vLLM's manager)
     semantics: str
     #: the implementation its suite runs against by default (``module:factory``: kvproof's torch runtime)
     default_impl: str
@@ -162,6 +164,13 @@ REGISTRY: Mapping[Component, ComponentInfo] = MappingProxyType({entry.component:
                         "tp_prefetch: whether ranks share their termination policy, transfer set and registration "
                         "(mixed: T5's mismatched collectives, T1) and, under 0.5.23, their free host memory at hit "
                         "time (host_pressure: only that differs: F6)")),
+    ),
+    ComponentInfo(
+        Component.BLOCK_POOL,
+        "vLLM 0.33.0's v1 KV cache manager: block pool with a null block, prefix cache, full + sliding-window groups "
+        "allocated all or nothing",
+        "docs/block_pool.md §1-§7 (V1-V8)",
+        "kvproof.gpu_runtime.block_pool:BlockPoolRuntime",
     ),
 )})
 

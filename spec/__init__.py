@@ -17,7 +17,8 @@ transitions are named like the reference functions):
 * ``admission`` — the prefill adder's SWA budget against HiCache load-back, PR
   #27391 (§5, §7 A1-A3, §8 item 8, §9 S8 S9);
 * ``tp_prefetch`` — the cross-rank sidecar hit sync and all-or-nothing SWA prefetch
-  of PR #27264 and SGLang 0.5.23 (§6, §7 T1-T5, §8 item 9, §9 S10).
+  of PR #27264 and SGLang 0.5.23 (§6, §7 T1-T5, §8 item 9, §9 S10);
+* ``block_pool`` — vLLM 0.33.0's v1 KV cache manager, docs/block_pool.md.
 
 The component names are listed here because ``kvproof.spec`` is a leaf (it imports
 z3 and the standard library only, never ``kvproof.reference.registry``);
@@ -54,7 +55,8 @@ __all__ = [
 ]
 
 #: The components, in registry order (``kvproof.reference.registry.Component``).
-COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission", "tp_prefetch")
+COMPONENTS = ("swa_allocator", "loc_cache", "decode_prealloc", "hisparse_host", "admission", "tp_prefetch",
+              "block_pool")
 
 
 class ObligationRegistryError(Exception):

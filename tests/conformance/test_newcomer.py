@@ -149,9 +149,11 @@ def test_the_readme_counts_match_what_runs() -> None:
     text = " ".join(README.read_text().split())
     total = sum(len(mutants_of(c)) for c in Component)
     assert f"runs the suites against {total} deliberately broken runtimes" in text
-    for count, what in re.findall(r"(\d+) (allocator|cache|decode-node|host-pool|admission|prefetch) mutants", text):
+    kinds = "allocator|cache|decode-node|host-pool|admission|prefetch|block-pool"
+    for count, what in re.findall(rf"(\d+) ({kinds}) mutants", text):
         component = {"allocator": "swa_allocator", "cache": "loc_cache", "decode-node": "decode_prealloc",
-                     "host-pool": "hisparse_host", "admission": "admission", "prefetch": "tp_prefetch"}[what]
+                     "host-pool": "hisparse_host", "admission": "admission", "prefetch": "tp_prefetch",
+                     "block-pool": "block_pool"}[what]
         assert int(count) == len(mutants_of(component)), (what, count)
     for name, profile in PROFILES.items():
         size = f"{profile.max_examples} examples × {profile.stateful_step_count} steps"
