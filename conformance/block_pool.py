@@ -23,7 +23,9 @@ After every step (docs/block_pool.md §4):
   blocks of count 0 but the null block with no duplicate, the map and the blocks' keys agree, null blocks only at
   the head of a sliding-window list;
 * with ``EXACT_PAGE_ORDER`` the snapshots are equal (free-queue order, counts, keys, map, block lists), otherwise
-  equal up to block ids (lengths, null positions, keys with their multiplicity);
+  equal up to block ids (lengths, null positions, keys with their multiplicity). The latter is not yet a contract
+  for another reuse order: the free queue's order decides which cached block an allocation evicts, hence later
+  hits, so a manager that reuses blocks in another legal order can be flagged (tests/legal: not yet);
 * every block the implementation has cached holds, in the ghost KV memory, the last B tokens of its key (V7), and
   every block a lookup returns holds the request's tokens at that position (V6, hit soundness); the hit is as
   long as the reference's (hit completeness as vLLM promises it).

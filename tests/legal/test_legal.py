@@ -103,7 +103,12 @@ SHORT_CASES = _cases(small=False)
 
 
 #: components without legal implementations yet, each with the reason (a stale entry fails the test below)
-NOT_YET: dict[Component, str] = {}
+NOT_YET: dict[Component, str] = {
+    Component.BLOCK_POOL: "the free queue's order decides which cached block a new allocation evicts, hence every "
+                          "later prefix hit: a manager with another reuse order legally has other hits, which the "
+                          "suite's comparison without EXACT_PAGE_ORDER (block ids renamed, keys counted) does not "
+                          "model yet (issue 16 follow-up)",
+}
 
 
 def test_every_component_has_legal_implementations() -> None:
