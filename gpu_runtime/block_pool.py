@@ -45,6 +45,8 @@ from kvproof.reference.block_pool import (
     BlockPoolConfig,
     BlockPoolSnapshot,
     Hit,
+    require_cache,
+    require_release,
     require_step,
 )
 from kvproof.reference.contract import Capability
@@ -324,14 +326,10 @@ class BlockPoolRuntime:
         """Release the request's sliding-window blocks the window no longer reads (``remove_skipped_blocks``): the
         first ``skipped // B`` (at most the ones it holds), walked backwards to the first null block, each replaced
         by the null block and released in that order. Full attention skips nothing."""
-        op = "remove_skipped_blocks"
-        require(num_computed_tokens >= 0, op, "num_computed_tokens", lambda: f"must be >= 0, got {num_computed_tokens}")
         q = self._requests.get(req)
+        require_release(req, num_computed_tokens, None if q is None else q.computed)
         if q is None:
             return
-        # only processed tokens leave the window: a count past what the request computed releases blocks it still reads
-        require(num_computed_tokens <= q.computed, op, "num_computed_tokens",
-                lambda: f"{num_computed_tokens} > the {q.computed} tokens request {req} computed")
         release = self._release_plan(q, num_computed_tokens)
         if release is not None:
             self._release(q, release)
@@ -387,14 +385,10 @@ class BlockPoolRuntime:
 
     def cache_blocks(self, req: int, tokens: Sequence[int], num_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_tokens`` (only computed tokens can be cached)."""
-        op = "cache_blocks"
-        _check_tokens(op, tokens)
         q = self._requests.get(req)
-        require(q is not None, op, "req", lambda: f"request {req} holds no blocks")
-        assert q is not None  # narrowed by the require above
-        require(0 <= num_tokens <= q.computed, op, "num_tokens",
-                lambda: f"{num_tokens} is not in [0, {q.computed}] (the tokens request {req} computed)")
-        self._cache(q, tokens, num_tokens)
+        require_cache(req, tokens, num_tokens, None if q is None else q.computed)
+        if q is not None:  # require_cache refuses a request holding nothing
+            self._cache(q, tokens, num_tokens)
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop blocks from the prefix cache by id: their keys and map entries go; counts and queue places stay."""

@@ -68,6 +68,8 @@ __all__ = [
     "initial_state",
     "max_admission_blocks_per_request",
     "remove_skipped_blocks",
+    "require_cache",
+    "require_release",
     "require_step",
     "reset_prefix_cache",
     "snapshot",
@@ -463,14 +465,11 @@ def remove_skipped_blocks(state: BlockPoolState, req: int, num_computed_tokens: 
     single_type_kv_cache_manager.py:655-720): per group, the first ``skipped // B`` blocks (at most the ones it
     holds), walked backwards to the first null block, each replaced by the null block and released in that order.
     Full attention skips nothing; a request holding nothing is left alone."""
-    op, b = "remove_skipped_blocks", state.config.block_size
-    require(num_computed_tokens >= 0, op, "num_computed_tokens", lambda: f"must be >= 0, got {num_computed_tokens}")
+    b = state.config.block_size
     running = state.requests.get(req)
+    require_release(req, num_computed_tokens, None if running is None else running.computed)
     if running is None:
         return state
-    # only processed tokens leave the window: a count past what the request computed releases blocks it still reads
-    require(num_computed_tokens <= running.computed, op, "num_computed_tokens",
-            lambda: f"{num_computed_tokens} > the {running.computed} tokens request {req} computed")
     pool: _Pool | None = None
     lists = list(running.blocks)
     for g in state.config.groups:
@@ -512,14 +511,27 @@ def cache_blocks(state: BlockPoolState, req: int, tokens: Sequence[int], num_tok
     """Cache the request's full blocks up to ``num_tokens`` (docs/block_pool.md §2.5; ``cache_full_blocks``,
     block_pool.py:230): blocks ``[num_cached, min(num_tokens, len(tokens)) // B)`` that are not the null block get
     their key and join the map; ``num_cached`` moves to the end. Only computed tokens can be cached."""
+    running = state.requests.get(req)
+    require_cache(req, tokens, num_tokens, None if running is None else running.computed)
+    return _cache(state, "cache_blocks", req, tokens, num_tokens)
+
+
+def require_release(req: int, num_computed_tokens: int, running_computed: int | None) -> None:
+    """``remove_skipped_blocks``' preconditions, given the tokens ``req`` computed (``None``: it holds nothing)."""
+    op = "remove_skipped_blocks"
+    require(num_computed_tokens >= 0, op, "num_computed_tokens", lambda: f"must be >= 0, got {num_computed_tokens}")
+    # only processed tokens leave the window: a count past what the request computed releases blocks it still reads
+    require(running_computed is None or num_computed_tokens <= running_computed, op, "num_computed_tokens",
+            lambda: f"{num_computed_tokens} > the {running_computed} tokens request {req} computed")
+
+
+def require_cache(req: int, tokens: Sequence[int], num_tokens: int, running_computed: int | None) -> None:
+    """``cache_blocks``' preconditions, given the tokens ``req`` computed (``None``: it holds nothing)."""
     op = "cache_blocks"
     _check_tokens(op, tokens)
-    running = state.requests.get(req)
-    require(running is not None, op, "req", lambda: f"request {req} holds no blocks")
-    assert running is not None  # narrowed by the require above
-    require(0 <= num_tokens <= running.computed, op, "num_tokens",
-            lambda: f"{num_tokens} is not in [0, {running.computed}] (the tokens request {req} computed)")
-    return _cache(state, op, req, tokens, num_tokens)
+    require(running_computed is not None, op, "req", lambda: f"request {req} holds no blocks")
+    require(0 <= num_tokens <= (running_computed or 0), op, "num_tokens",
+            lambda: f"{num_tokens} is not in [0, {running_computed}] (the tokens request {req} computed)")
 
 
 def _cache(state: BlockPoolState, op: str, req: int, tokens: Sequence[int], num_tokens: int) -> BlockPoolState:
