@@ -41,6 +41,7 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -71,7 +72,7 @@ from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.registry import Component, parse_components
 
 __all__ = ["SECTIONS", "Section", "admission_decisions_per_second", "admission_round_table",
-           "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
+           "LockstepRate", "lockstep_rate", "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
            "runtime_pairs_per_second"]
 
 
@@ -113,9 +114,28 @@ def reference_pairs_per_second(page_size: int, pairs: int) -> float:
     return pairs / (time.perf_counter() - start)
 
 
-def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-                              isolation: str = "in-process", engine: str = "hypothesis") -> tuple[float, int]:
-    """Checked lockstep steps per second against the runtime, over all conformance configs.
+@dataclass(frozen=True)
+class LockstepRate:
+    """Checked lockstep steps over all conformance configs, the seconds they took, and where those seconds went
+    (``CheckReport.split``: implementation calls, reference operations, per-step checks; the rest is the driver's)."""
+
+    steps: int
+    seconds: float
+    split: dict[str, float]
+
+    @property
+    def per_second(self) -> float:
+        return self.steps / self.seconds
+
+    def micros(self, part: str) -> float:
+        """Microseconds per step spent in ``part`` (``driver``: what the three parts leave)."""
+        spent = self.seconds - sum(self.split.values()) if part == "driver" else self.split.get(part, 0.0)
+        return spent / self.steps * 1e6
+
+
+def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, isolation: str = "in-process",
+                  engine: str = "hypothesis") -> LockstepRate:
+    """Checked lockstep steps against the runtime, over all conformance configs.
 
     ``op_timeout=None`` calls the implementation directly (no watchdog thread): the
     difference is the price of the per-operation timeout. ``isolation="process"`` runs each
@@ -123,7 +143,7 @@ def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_
     ``engine="breadth"``: the breadth driver, the same examples and steps per example.
     """
     profile = settings(get_profile("ci"), max_examples=examples)
-    steps, seconds = 0, 0.0
+    steps, seconds, split = 0, 0.0, collections.Counter[str]()
     for cfg in CONFORMANCE_CONFIGS:
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
                                          failures_dir=None, op_timeout=op_timeout, isolation=isolation,
@@ -132,21 +152,30 @@ def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_
             raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
         seconds += report.seconds
-    return steps / seconds, steps
+        split.update(report.split)
+    return LockstepRate(steps, seconds, dict(split))
 
 
-def _both_modes(examples: int, rounds: int) -> tuple[tuple[float, int], tuple[float, int]]:
-    """Lockstep steps/s of the default (Hypothesis) mode and of the breadth mode on one core (one torch thread):
-    ``rounds`` alternating runs of each, the best of each kept (a shared machine's noise only ever slows a run down,
-    and alternating exposes both modes to it alike), so their ratio is not one noisy run's."""
+def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+                              isolation: str = "in-process", engine: str = "hypothesis") -> tuple[float, int]:
+    """:func:`lockstep_rate`'s steps per second and steps."""
+    rate = lockstep_rate(examples, op_timeout, isolation, engine)
+    return rate.per_second, rate.steps
+
+
+def _both_modes(examples: int, rounds: int) -> tuple[LockstepRate, LockstepRate]:
+    """The default (Hypothesis) mode's and the breadth mode's lockstep runs on one core (one torch thread):
+    ``rounds`` alternating runs of each, the fastest of each kept (a shared machine's noise only ever slows a run
+    down, and alternating exposes both modes to it alike), so their ratio is not one noisy run's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runs = [[lockstep_steps_per_second(examples, engine=engine) for engine in ("hypothesis", "breadth")]
+        runs = [[lockstep_rate(examples, engine=engine) for engine in ("hypothesis", "breadth")]
                 for _ in range(rounds)]
     finally:
         torch.set_num_threads(threads)
-    return max(r[0] for r in runs), max(r[1] for r in runs)
+    return (max((r[0] for r in runs), key=lambda r: r.per_second),
+            max((r[1] for r in runs), key=lambda r: r.per_second))
 
 
 def fuzz_steps_per_second(workers: int, seconds: float, engine: str = "hypothesis") -> tuple[float, int]:
@@ -402,7 +431,10 @@ def _swa_allocator(quick: bool) -> Section:
     p1, _ = runtime_pairs_per_second(1, pairs)
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
-    (steps_per_s, steps), (breadth_per_s, breadth_steps) = _both_modes(examples, 1 if quick else 3)
+    default, breadth = _both_modes(examples, 1 if quick else 3)
+    (steps_per_s, steps), (breadth_per_s, breadth_steps) = (default.per_second, default.steps), (
+        breadth.per_second, breadth.steps)
+    floor = sum(breadth.micros(part) for part in ("implementation", "reference", "checks"))
     cores = os.cpu_count() or 1
     fuzz_s = 8.0 if quick else 30.0
     fuzz_one, _ = fuzz_steps_per_second(1, fuzz_s)
@@ -420,6 +452,11 @@ def _swa_allocator(quick: bool) -> Section:
         "harness overhead: lockstep step / bare runtime op": f"{overhead:.1f}x",
         f"lockstep steps/s, breadth mode (swa_allocator, {breadth_steps} steps)": f"{breadth_per_s:,.0f}",
         "breadth / hypothesis mode steps/s (one core)": f"{breadth_per_s / steps_per_s:.2f}x",
+        **{f"us per step, {mode}: implementation / reference / checks / driver": " / ".join(
+            f"{rate.micros(part):.0f}" for part in ("implementation", "reference", "checks", "driver"))
+           for mode, rate in (("hypothesis mode", default), ("breadth mode", breadth))},
+        "breadth / hypothesis bound with a driver costing nothing (hypothesis step / the three parts)":
+            f"{1e6 / steps_per_s / floor:.2f}x",
         f"kvproof fuzz steps/s, 1 worker / {cores} workers ({fuzz_s:g} s each)": f"{fuzz_one:,.0f} / {fuzz_all:,.0f}",
         f"kvproof fuzz {cores} workers / 1 worker (ideal {cores}x)": f"{fuzz_all / fuzz_one:.2f}x",
         "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
@@ -428,6 +465,10 @@ def _swa_allocator(quick: bool) -> Section:
         "isolation start per config: fork + result + reap (ms)": f"{start_ms:.1f}",
     }, values={"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
                "breadth_steps_per_s": breadth_per_s, "breadth_vs_hypothesis": breadth_per_s / steps_per_s,
+               "breadth_bound": 1e6 / steps_per_s / floor,
+               **{f"{mode}_us_{part}": rate.micros(part) for mode, rate in (("hypothesis", default),
+                                                                            ("breadth", breadth))
+                  for part in ("implementation", "reference", "checks", "driver")},
                "fuzz_one_worker_steps_per_s": fuzz_one, "fuzz_all_workers_steps_per_s": fuzz_all,
                "fuzz_scaling": fuzz_all / fuzz_one,
                "watchdog_cost": direct_steps_per_s / steps_per_s, "isolated_steps_per_s": isolated_steps_per_s,

@@ -194,6 +194,9 @@ class CheckReport:
     accepted: dict[str, int] = field(default_factory=dict)
     #: the harm continuation of the failure (``--harm``: kvproof.conformance.harm.HarmReport, as JSON)
     harm: dict[str, Any] | None = None
+    #: where the run's time went (``RunStats.seconds``): the implementation's calls, the reference's operations and
+    #: the per-step checks, in seconds; the rest of ``seconds`` is the driver's and the harness' bookkeeping
+    split: dict[str, float] = field(default_factory=dict)
 
     def structure_missed(self) -> dict[str, tuple[int, int]]:
         """Dimensions the run did not take to their maximum: ``{name: (reached, maximum)}``."""
@@ -420,7 +423,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                            structure_targets(suite, config, caps, na), detected["seconds"], detected["steps"],
                            evidence.to_json() if evidence is not None else None,
                            label(evidence, findings) if failure is not None else "",
-                           {f: stats.accepted.get(f, 0) for f in accepting})
+                           {f: stats.accepted.get(f, 0) for f in accepting}, split=dict(stats.seconds))
 
     try:
         machines: Any = _MachineFactory(suite, binding, identity)

@@ -40,6 +40,7 @@ import functools
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
@@ -174,9 +175,20 @@ def misuse(op: str, case: str, *, when: Callable[[Any], Any] | None = None
 
 
 def check_after_each_step(function: Callable[..., None]) -> Any:
-    """Declare the comparison run after every step (a Hypothesis invariant; replay runs it too)."""
-    setattr(function, _CHECK, True)
-    return invariant()(function)
+    """Declare the comparison run after every step (a Hypothesis invariant; replay runs it too). Its time, less that
+    of the implementation calls it makes (counted as the implementation's), adds to ``stats.seconds["checks"]``."""
+
+    @functools.wraps(function)
+    def timed(self: Lockstep[Any, Any]) -> None:
+        seconds = self.stats.seconds
+        start, inner = time.perf_counter(), seconds["implementation"]
+        try:
+            function(self)
+        finally:
+            seconds["checks"] += time.perf_counter() - start - (seconds["implementation"] - inner)
+
+    setattr(timed, _CHECK, True)
+    return invariant()(timed)
 
 
 # ---------------------------------------------------------------- the deadline on implementation calls
@@ -512,6 +524,10 @@ class RunStats:
     evidence: Evidence | None = None
     #: occurrences of each known finding the run looked past (``Binding.accept``)
     accepted: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: where the run's time went, in seconds: ``implementation`` (every call under the deadline, observations
+    #: included), ``reference`` (its operations) and ``checks`` (the per-step checks, less their implementation calls);
+    #: the rest is the driver's (Hypothesis' engine or the breadth driver) and the harness' bookkeeping
+    seconds: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -820,13 +836,16 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         self.stats.calls[op] += 1
         self.trace.op(f"{op}({args})", aside=aside)
         self.last_op = op
+        start = time.perf_counter()
         try:
             ref_result = ref_call()
         except (OutOfMemory, InvalidOperation) as err:
+            self.stats.seconds["reference"] += time.perf_counter() - start
             if isinstance(err, InvalidOperation) and not expect_misuse:
                 raise HarnessBug(f"harness generated an invalid call {op}({args}): {err}") from err
             self._expect_failure(op, err, impl_call)
             return None
+        self.stats.seconds["reference"] += time.perf_counter() - start
         if expect_misuse:
             raise HarnessBug(f"misuse case {op}({args}) was accepted by the reference")
         try:
@@ -888,7 +907,9 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
     def _deadline(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` under the per-operation timeout; a timeout is a verdict naming ``what`` and the step, and so is
-        a ``BaseException`` that is not an ``Exception`` (``SystemExit``: an implementation may not exit)."""
+        a ``BaseException`` that is not an ``Exception`` (``SystemExit``: an implementation may not exit). Its time adds
+        to ``stats.seconds["implementation"]``."""
+        start = time.perf_counter()
         try:
             return call_implementation(what, fn, self.op_timeout, self)
         except OperationTimeout:
@@ -902,6 +923,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
                 raise
             self.stats.evidence = self.evidence("crash", {"call": what, "implementation": type(err).__name__})
             raise LockstepFailure(self.verdict(escaped), self.stats.evidence) from None
+        finally:
+            self.stats.seconds["implementation"] += time.perf_counter() - start
 
     def observe(self, what: str, fn: Callable[[], Any]) -> Any:
         """An observation of the implementation (``snapshot()``, sizes): any exception is a verdict."""

@@ -16,14 +16,22 @@ def test_bench_quick_reports_every_measure() -> None:
                             "tp_lockstep_prefetches_per_s", "tp_lockstep_steps_per_s", "breadth_steps_per_s",
                             "breadth_vs_hypothesis", "fuzz_one_worker_steps_per_s", "fuzz_all_workers_steps_per_s",
                             "fuzz_scaling", "block_pool_steps_per_s", "block_pool_reference_steps_per_s",
-                            "block_pool_vs_reference", "block_pool_lockstep_steps_per_s"}
+                            "block_pool_vs_reference", "block_pool_lockstep_steps_per_s", "breadth_bound",
+                            *(f"{mode}_us_{part}" for mode in ("hypothesis", "breadth")
+                              for part in ("implementation", "reference", "checks", "driver"))}
     assert all(value > 0 for value in numbers.values())
+    # the split of a step adds up to the step, and no part is counted twice (the driver's share is what is left)
+    hypothesis_step = sum(numbers[f"hypothesis_us_{part}"] for part in ("implementation", "reference", "checks",
+                                                                         "driver"))
+    assert abs(hypothesis_step - 1e6 / numbers["steps_per_s"]) < 1e-6 * hypothesis_step
+    assert numbers["breadth_bound"] > numbers["breadth_vs_hypothesis"]
     text = console.export_text()
     assert "lockstep steps/s in-process / process-isolated" in text
     assert "harness overhead" in text and "hisparse_host backup: batched / one request per call" in text
     assert "admission add_one_req decisions/s" in text and "requests one round admits" in text
     assert "upstream_27391" in text and "OOM" in text  # S8's row: pre_27391 admits, then runs out
     assert "tp_prefetch hit sync per prefetch, 2 / 4 ranks (ms)" in text
+    assert "us per step, breadth mode: implementation / reference / checks / driver" in text
     assert "breadth / hypothesis mode steps/s (one core)" in text and "kvproof fuzz steps/s, 1 worker / " in text
     assert "workers / 1 worker (ideal" in text
     assert "block_pool scheduler steps/s" in text and "block_pool lockstep steps/s" in text
