@@ -71,9 +71,18 @@ from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import OutOfMemory
 from kvproof.reference.registry import Component, parse_components
 
-__all__ = ["SECTIONS", "Section", "admission_decisions_per_second", "admission_round_table",
-           "LockstepRate", "lockstep_rate", "lockstep_steps_per_second", "reference_pairs_per_second", "run_bench",
-           "runtime_pairs_per_second"]
+__all__ = [
+    "SECTIONS",
+    "LockstepRate",
+    "Section",
+    "admission_decisions_per_second",
+    "admission_round_table",
+    "lockstep_rate",
+    "lockstep_steps_per_second",
+    "reference_pairs_per_second",
+    "run_bench",
+    "runtime_pairs_per_second",
+]
 
 
 def _lengths(count: int, seed: int = 0) -> list[int]:
@@ -143,7 +152,7 @@ def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, 
     ``engine="breadth"``: the breadth driver, the same examples and steps per example.
     """
     profile = settings(get_profile("ci"), max_examples=examples)
-    steps, seconds, split = 0, 0.0, collections.Counter[str]()
+    steps, seconds, split = 0, 0.0, collections.defaultdict[str, float](float)
     for cfg in CONFORMANCE_CONFIGS:
         report = run_swa_allocator_check(SWATokenToKVPoolAllocator, cfg, settings=profile, impl_name="runtime",
                                          failures_dir=None, op_timeout=op_timeout, isolation=isolation,
@@ -152,7 +161,8 @@ def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, 
             raise HarnessBug(f"benchmark run failed conformance: {report.failure}")
         steps += report.steps
         seconds += report.seconds
-        split.update(report.split)
+        for part, spent in report.split.items():
+            split[part] += spent
     return LockstepRate(steps, seconds, dict(split))
 
 

@@ -527,7 +527,7 @@ class RunStats:
     #: where the run's time went, in seconds: ``implementation`` (every call under the deadline, observations
     #: included), ``reference`` (its operations) and ``checks`` (the per-step checks, less their implementation calls);
     #: the rest is the driver's (Hypothesis' engine or the breadth driver) and the harness' bookkeeping
-    seconds: collections.Counter[str] = field(default_factory=collections.Counter)
+    seconds: collections.defaultdict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
 
 
 @dataclass(frozen=True)
