@@ -22,10 +22,15 @@ After every step (docs/block_pool.md §4):
   conservation, reference counts equal to the (request, group) slots holding a block, the free queue exactly the
   blocks of count 0 but the null block with no duplicate, the map and the blocks' keys agree, null blocks only at
   the head of a sliding-window list;
-* with ``EXACT_PAGE_ORDER`` the snapshots are equal (free-queue order, counts, keys, map, block lists), otherwise
-  equal up to block ids (lengths, null positions, keys with their multiplicity). The latter is not yet a contract
-  for another reuse order: the free queue's order decides which cached block an allocation evicts, hence later
-  hits, so a manager that reuses blocks in another legal order can be flagged (tests/legal: not yet);
+* the snapshots are equal: the free queue, the counts, the keys, the map and the block lists. With
+  ``EXACT_PAGE_ORDER`` (vLLM's order: the runtime, vLLM itself) the reference chooses and the free queue is compared
+  in order. Without it, which free block ``allocate_slots`` hands out (and so which cached block it evicts, and every
+  later hit) and which of the blocks cached under one key a lookup returns are the implementation's choice: the
+  reference follows it (``allocate_slots(..., take=)`` with the blocks the implementation handed out, once they are
+  free there; the implementation's hit, once its blocks are cached under the request's keys there), and the free
+  queue and each key's blocks are compared as sets. The reference following, every outcome and every hit's length
+  are still the reference's to decide (docs/contract.md "What is implementation-defined"; tests/legal: FIFO, LIFO
+  and random managers pass);
 * every block the implementation has cached holds, in the ghost KV memory, the last B tokens of its key (V7), and
   every block a lookup returns holds the request's tokens at that position (V6, hit soundness); the hit is as
   long as the reference's (hit completeness as vLLM promises it).
@@ -33,7 +38,6 @@ After every step (docs/block_pool.md §4):
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +48,7 @@ from kvproof.conformance.lockstep import Lockstep, MisuseCall, check_after_each_
 from kvproof.reference import block_pool as bp
 from kvproof.reference.arith import ceil_div
 from kvproof.reference.contract import BlockPoolUnderTest, Capability
-from kvproof.reference.errors import InvariantViolation, OutOfMemory
+from kvproof.reference.errors import InvalidOperation, InvariantViolation, OutOfMemory
 from kvproof.reference.registry import Component
 
 __all__ = ["BLOCK_POOL_CONFIGS", "SUITE", "BlockPoolMachine"]
@@ -178,10 +182,11 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         for g, blocks in enumerate(theirs.blocks):
             for i, x in enumerate(blocks):
                 want = req.tokens[i * self.b:(i + 1) * self.b]
+                if (x == bp.NULL_BLOCK) != (mine.blocks[g][i] == bp.NULL_BLOCK):
+                    self.fail(f"get_computed_blocks returned block {x} for block {i} of group {g}; the reference "
+                              f"hits block {mine.blocks[g][i]} there (the null block where the window skips)",
+                              check="hit")
                 if x == bp.NULL_BLOCK:
-                    if mine.blocks[g][i] != bp.NULL_BLOCK:
-                        self.fail(f"get_computed_blocks returned the null block for block {i} of group {g}; the "
-                                  f"reference hits block {mine.blocks[g][i]} there", check="hit")
                     continue
                 held = self.kv.get(x)
                 if held != want:
@@ -194,14 +199,43 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         hit_blocks = sum(1 for x in mine.blocks[0] if x != bp.NULL_BLOCK)
         self.note("prefix-cache hit blocks", hit_blocks)
 
-    def _compare_new(self, mine: Sequence[Sequence[int]], theirs: Any) -> None:
+    def _followed_hit(self, req: Req, mine: bp.Hit, theirs: bp.Hit) -> bp.Hit:
+        """The hit the reference joins: its own with ``EXACT_PAGE_ORDER``; else the implementation's (which of the
+        blocks cached under one key a lookup returns is its choice), once every block of it is cached under the
+        request's key at its position in the reference too."""
+        if self.supports(C.EXACT_PAGE_ORDER):
+            return mine
+        tokens = req.tokens
+        for g, blocks in enumerate(theirs.blocks):
+            for i, x in enumerate(blocks):
+                key = bp.block_key(g, tokens, i, self.b)
+                if x != bp.NULL_BLOCK and x not in self.ref.cached.get(key, ()):
+                    self.fail(f"get_computed_blocks returned block {x} for block {i} of group {g} of request "
+                              f"{req.rid}; the reference caches that prefix in blocks "
+                              f"{list(self.ref.cached.get(key, ()))} only", check="V6", detail={"block": x, "group": g})
+        return bp.Hit(blocks=tuple(tuple(int(x) for x in blocks) for blocks in theirs.blocks),
+                      num_tokens=theirs.num_tokens)
+
+    def _compare_new(self, state: bp.BlockPoolState, mine: Sequence[Sequence[int]], theirs: Any,
+                     follow: Any) -> bp.BlockPoolState:
+        """The implementation's new blocks against the reference's; the reference state after the step. With
+        ``EXACT_PAGE_ORDER`` they are the same blocks; else the reference takes the implementation's
+        (``follow(take)``: the step again with ``take``) if they are free there, as many per group."""
         got = [list(x) for x in theirs] if isinstance(theirs, tuple | list) else theirs
         want = [list(x) for x in mine]
         if not isinstance(got, list) or [len(x) for x in got] != [len(x) for x in want]:
             self.fail(f"allocate_slots returned new blocks {got}; the reference took {want}")
-        if self.supports(C.EXACT_PAGE_ORDER) and got != want:
-            self.fail(f"allocate_slots returned new blocks {got}; the reference took {want} (declared "
-                      "EXACT_PAGE_ORDER)")
+        if self.supports(C.EXACT_PAGE_ORDER):
+            if got != want:
+                self.fail(f"allocate_slots returned new blocks {got}; the reference took {want} (declared "
+                          "EXACT_PAGE_ORDER)")
+            return state
+        try:
+            followed: bp.BlockPoolState = follow([[int(x) for x in blocks] for blocks in got])[0]
+        except InvalidOperation as err:
+            self.fail(f"allocate_slots handed out blocks {got}, which are not free blocks of the pool ({err})",
+                      check="V3", detail={"blocks": got})
+        return followed
 
     def _admit(self, data: Any) -> None:
         """Admit a waiting request (or a new one): prefix lookup, then its first chunk through the admission gate."""
@@ -213,18 +247,21 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         self.trace.op(f"get_computed_blocks(request {req.rid}, {len(tokens)} tokens)", aside="lookup")
         theirs = self.impl.get_computed_blocks(tokens)
         self._compare_hit(req, mine, theirs)
+        joined = self._followed_hit(req, mine, theirs)
         hit = mine.num_tokens
         n = data.draw(st.one_of(st.just(len(tokens) - hit), st.integers(1, len(tokens) - hit)), label="chunk")
         must_fit = data.draw(st.booleans(), label="full_sequence_must_fit")
+        before = self.ref
         out = self.call("allocate_slots", f"request {req.rid} (waiting, {len(tokens)} tokens, hit {hit}), "
                         f"{n} new, full_sequence_must_fit={must_fit}",
-                        lambda: bp.allocate_slots(self.ref, req.rid, tokens, 0, n, mine, must_fit),
+                        lambda: bp.allocate_slots(before, req.rid, tokens, 0, n, joined, must_fit),
                         lambda: self.impl.allocate_slots(req.rid, tokens, 0, n, theirs, must_fit))
         if out is None:
             self.waiting[req.rid] = req
             return
-        (self.ref, new), impl_new = out
-        self._compare_new(new, impl_new)
+        (state, new), impl_new = out
+        self.ref = self._compare_new(state, new, impl_new, lambda take: bp.allocate_slots(
+            before, req.rid, tokens, 0, n, joined, must_fit, take))
         self.waiting.pop(req.rid, None)
         req.computed = hit + n
         self.running[req.rid] = req
@@ -252,14 +289,16 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                                  lambda: self.impl.remove_skipped_blocks(rid, computed), aside="released first")
             if released is not None:
                 self.ref = released[0][0]
+        before = self.ref
         out = self.call("allocate_slots", f"request {rid} (running, {len(tokens)} tokens, {computed} computed), "
                         f"{n} new",
-                        lambda: bp.allocate_slots(self.ref, rid, tokens, computed, n),
+                        lambda: bp.allocate_slots(before, rid, tokens, computed, n),
                         lambda: self.impl.allocate_slots(rid, tokens, computed, n))
         if out is None:
             return
-        (self.ref, new), impl_new = out
-        self._compare_new(new, impl_new)
+        (state, new), impl_new = out
+        self.ref = self._compare_new(state, new, impl_new, lambda take: bp.allocate_slots(
+            before, rid, tokens, computed, n, take=take))
         req.computed = computed + n
         self._write_kv(req, computed, computed + n)
 
@@ -372,10 +411,7 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         free = self.query("get_num_free_blocks()", lambda impl: impl.get_num_free_blocks())
         if free != len(mine.free):
             self.fail(f"get_num_free_blocks() = {free}, the reference has {len(mine.free)} free")
-        if self.supports(C.EXACT_PAGE_ORDER):
-            self._compare_exact(snap, mine)
-        else:
-            self._compare_shape(snap, mine)
+        self._compare_exact(snap, mine, exact=self.supports(C.EXACT_PAGE_ORDER))
         for x, key in enumerate(snap.block_key):
             if key is not None and self.kv.get(x) != list(key[1][-self.b:]):
                 self.fail(f"block {x} is cached under the key of tokens ...{list(key[1][-self.b:])} (group {key[0]}) "
@@ -383,27 +419,27 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                           detail={"block": x})
         self.trace.next_step()
 
-    def _compare_exact(self, snap: bp.BlockPoolSnapshot, mine: bp.BlockPoolSnapshot) -> None:
+    def _compare_exact(self, snap: bp.BlockPoolSnapshot, mine: bp.BlockPoolSnapshot, *, exact: bool) -> None:
+        """The snapshots equal; without ``exact`` (no ``EXACT_PAGE_ORDER``: the reference follows the
+        implementation's reuse order) the free queue and each key's blocks as sets."""
+        def unordered(value: Any, name: str) -> Any:
+            if exact:
+                return value
+            if name == "free":
+                return sorted(value)
+            if name == "cached":
+                return {k: sorted(v) for k, v in value.items()}
+            return value
+
         for name in ("free", "requests", "num_cached", "block_key", "cached"):
-            theirs, want = getattr(snap, name), getattr(mine, name)
+            theirs, want = unordered(getattr(snap, name), name), unordered(getattr(mine, name), name)
             if theirs != want:
-                self.fail(f"{name} differs from the reference (declared EXACT_PAGE_ORDER): "
-                          f"{_show(theirs)} vs the reference's {_show(want)}", check=name)
+                declared = " (declared EXACT_PAGE_ORDER)" if exact else ""
+                self.fail(f"{name} differs from the reference{declared}: {_show(theirs)} vs the reference's "
+                          f"{_show(want)}", check=name)
         if snap.ref_cnt[1:] != mine.ref_cnt[1:]:
             self.fail(f"reference counts {list(snap.ref_cnt[1:])} (blocks 1..), the reference's "
                       f"{list(mine.ref_cnt[1:])}", check="ref_cnt")
-
-    def _compare_shape(self, snap: bp.BlockPoolSnapshot, mine: bp.BlockPoolSnapshot) -> None:
-        def shape(s: bp.BlockPoolSnapshot) -> tuple[Any, ...]:
-            lists = {r: tuple(tuple(x == bp.NULL_BLOCK for x in blocks) for blocks in q) for r, q in s.requests.items()}
-            keys = Counter({k: len(v) for k, v in s.cached.items()})
-            return len(s.free), lists, dict(s.num_cached), keys
-
-        theirs, want = shape(snap), shape(mine)
-        for what, a, b in zip(("free blocks", "block lists (null positions)", "num_cached", "cached keys"), theirs,
-                              want, strict=True):
-            if a != b:
-                self.fail(f"{what} differ from the reference: {_show(a)} vs {_show(b)}", check=what)
 
     # ------------------------------------------------------------ misuse (REJECTS_MISUSE): both sides reject
 

@@ -328,9 +328,17 @@ class _Pool:
             self.cached.pop(key, None)
         self.block_key[block] = None
 
-    def get_new_blocks(self, n: int) -> list[int]:
-        """``popleft_n``: the front ``n`` blocks, each evicted from the prefix cache, count 1, content cleared."""
-        taken, self.free = self.free[:n], self.free[n:]
+    def get_new_blocks(self, n: int, take: Sequence[int] | None = None) -> list[int]:
+        """``popleft_n``: the front ``n`` blocks, each evicted from the prefix cache, count 1, content cleared.
+        ``take``: these ``n`` free blocks instead of the front ones (another manager's reuse order, followed)."""
+        if take is None:
+            taken, self.free = self.free[:n], self.free[n:]
+        else:
+            free = set(self.free)
+            require(len(take) == n and len(set(take)) == n and free.issuperset(take), "allocate_slots", "take",
+                    lambda: f"{list(take)} is not {n} distinct free blocks (free: {_head(sorted(free))})")
+            taken = list(take)
+            self.free = [x for x in self.free if x not in set(taken)]
         blank = (UNWRITTEN,) * self.origin.config.block_size
         for x in taken:
             self.evict(x)
@@ -367,8 +375,8 @@ class _Pool:
 
 
 def allocate_slots(state: BlockPoolState, req: int, tokens: Sequence[int], num_computed_tokens: int,
-                   num_new_tokens: int, hit: Hit | None = None, full_sequence_must_fit: bool = False
-                   ) -> tuple[BlockPoolState, tuple[tuple[int, ...], ...]]:
+                   num_new_tokens: int, hit: Hit | None = None, full_sequence_must_fit: bool = False,
+                   take: Sequence[Sequence[int]] | None = None) -> tuple[BlockPoolState, tuple[tuple[int, ...], ...]]:
     """Slots for ``num_new_tokens`` more tokens of request ``req`` (``KVCacheManager.allocate_slots``,
     kv_cache_manager.py:380); returns the blocks taken from the free queue, per group.
 
@@ -378,6 +386,11 @@ def allocate_slots(state: BlockPoolState, req: int, tokens: Sequence[int], num_c
     blocks are released (:func:`remove_skipped_blocks`), what every group needs is summed and compared with the
     free queue (:class:`OutOfMemory`, nothing changed), the hit is joined, new blocks are taken group by group,
     the computed tokens written, and the full blocks cached (:func:`cache_blocks`).
+
+    ``take`` (per group, the blocks to hand out instead of the free queue's front ones: ``InvalidOperation`` unless
+    they are as many as the group takes, distinct and free once the hit is joined) lets a suite follow a manager
+    whose reuse order is its own (which free block it hands out, and so which cached block it evicts); whether the
+    step succeeds does not depend on it.
     """
     op, cfg = "allocate_slots", state.config
     b, groups = cfg.block_size, cfg.groups
@@ -411,9 +424,12 @@ def allocate_slots(state: BlockPoolState, req: int, tokens: Sequence[int], num_c
             pool.touch(kept)
             lists.append((NULL_BLOCK,) * skipped + tuple(kept))
         running = RequestBlocks(blocks=tuple(lists), num_cached=tuple(len(x) for x in lists), computed=0)
+    require(take is None or len(take) == len(groups), op, "take",
+            lambda: f"{len(take or ())} groups of blocks, the pool has {len(groups)}")
     new, lists = [], []
     for g in groups:  # allocate_new_blocks
-        taken = pool.get_new_blocks(max(ceil_div(total, b) - len(running.blocks[g]), 0))
+        taken = pool.get_new_blocks(max(ceil_div(total, b) - len(running.blocks[g]), 0),
+                                    None if take is None else take[g])
         new.append(tuple(taken))
         lists.append(running.blocks[g] + tuple(taken))
     for g in groups:  # the step computes tokens [computed, total) into the request's blocks
@@ -655,13 +671,20 @@ def _check_tokens(op: str, tokens: Sequence[int]) -> None:
 
 
 def _check_hit(state: BlockPoolState, op: str, tokens: Sequence[int], hit: Hit) -> None:
-    """The hit is the current one: ``get_computed_blocks`` gives it now (the scheduler asks right before)."""
+    """The hit is a current one (the scheduler asks right before): ``get_computed_blocks`` gives it now, but for which
+    of the blocks cached under one key it names (a lookup's choice where a prefix is cached twice: another manager's
+    reuse order, followed by a suite, may answer another)."""
     require(len(hit.blocks) == len(state.config.groups), op, "hit",
             lambda: f"{len(hit.blocks)} block lists for {len(state.config.groups)} groups")
     require(hit.num_tokens < len(tokens), op, "hit", lambda: f"a hit of {hit.num_tokens} tokens leaves none of the "
             f"request's {len(tokens)} to compute")
     now = get_computed_blocks(state, tokens, hit.num_tokens)
-    require(now == hit, op, "hit", lambda: f"stale hit {list(map(list, hit.blocks))} ({hit.num_tokens} tokens): the "
+    b = state.config.block_size
+    same = now == hit or (now.num_tokens == hit.num_tokens and all(
+        len(mine) == len(theirs) and all(x == y or (x != NULL_BLOCK and y in state.cached[block_key(g, tokens, i, b)])
+                                         for i, (x, y) in enumerate(zip(mine, theirs, strict=True)))
+        for g, (mine, theirs) in enumerate(zip(now.blocks, hit.blocks, strict=True))))
+    require(same, op, "hit", lambda: f"stale hit {list(map(list, hit.blocks))} ({hit.num_tokens} tokens): the "
             f"prefix cache gives {list(map(list, now.blocks))} ({now.num_tokens} tokens) now")
 
 

@@ -4,6 +4,9 @@ hits, full pools, out-of-window null blocks, evictions and resets."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from kvproof.conformance.mutants.block_pool import MUTANTS
 from kvproof.conformance.reference_impl import ReferenceBlockPool
 from kvproof.gpu_runtime.block_pool import BlockPoolRuntime
 from kvproof.reference import block_pool as bp
+from kvproof.reference.contract import Capability
 
 IDS = [c.label() for c in BLOCK_POOL_CONFIGS]
 
@@ -67,6 +71,78 @@ def test_mutant_is_killed(name: str) -> None:
 
 def test_at_least_eight_mutants() -> None:
     assert len(MUTANTS) >= 8
+
+
+#: mutants that only change which free block is handed out next: vLLM's order, a policy without EXACT_PAGE_ORDER
+REUSE_ORDER_ONLY = {"uncached_appended", "free_in_order"}
+
+
+def _unordered(cls: type[BlockPoolRuntime]) -> type[BlockPoolRuntime]:
+    """``cls`` without ``EXACT_PAGE_ORDER``: the suite follows its reuse order."""
+    return type(f"{cls.__name__}Unordered", (cls,),
+                {"capabilities": cls.capabilities - {Capability.EXACT_PAGE_ORDER}})
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_without_exact_order_every_mutant_but_a_reuse_order_is_killed(name: str) -> None:
+    """The suite followed (no EXACT_PAGE_ORDER) still kills every mutant that breaks more than the reuse order, and
+    accepts the two that change only the order, on every config: another legal reuse policy."""
+    (verdict,) = kill_mutants({name: _unordered(MUTANTS[name])}, component="block_pool", profile="ci")
+    assert "HarnessError" not in verdict.evidence, verdict.evidence
+    assert verdict.killed is (name not in REUSE_ORDER_ONLY), verdict.evidence
+
+
+@pytest.mark.parametrize("config", BLOCK_POOL_CONFIGS, ids=IDS)
+def test_without_exact_order_the_runtime_conforms(config: bp.BlockPoolConfig) -> None:
+    report = run_check("block_pool", _unordered(BlockPoolRuntime), config, profile="ci", impl_name="runtime-unordered",
+                       failures_dir=None)
+    assert report.passed, report.failure
+    assert report.outcomes["OutOfMemory"] > 0 and report.never_run == ()
+
+
+class _TakesAHeldBlock(BlockPoolRuntime):
+    """Hands out, as a request's last new block, a block another request holds (no EXACT_PAGE_ORDER: the suite
+    follows which block it takes, and must refuse one that is not free)."""
+
+    capabilities = frozenset({Capability.REJECTS_MISUSE})
+
+    def allocate_slots(self, *args: Any, **kwargs: Any) -> tuple[tuple[int, ...], ...]:
+        new = super().allocate_slots(*args, **kwargs)
+        held = [x for x in range(1, self.config.num_blocks) if int(self.ref_cnt[x]) > 0]
+        if new[0] and held and held[0] not in new[0]:
+            return (new[0][:-1] + (held[0],), *new[1:])
+        return new
+
+
+class _OtherKeysHit(BlockPoolRuntime):
+    """A lookup that answers, for its last full-attention block, a cached block of another key whose tokens happen
+    to be the same (no EXACT_PAGE_ORDER): the suite's ghost KV cannot tell, its key check must."""
+
+    capabilities = frozenset({Capability.REJECTS_MISUSE})
+
+    def get_computed_blocks(self, tokens: Sequence[int], max_cache_hit_length: int | None = None) -> bp.Hit:
+        hit = super().get_computed_blocks(tokens, max_cache_hit_length)
+        snap = self.snapshot()
+        if not hit.blocks[0]:
+            return hit
+        last = hit.blocks[0][-1]
+        b, mine = self.config.block_size, snap.block_key[last]
+        same = [x for x, key in enumerate(snap.block_key)
+                if key is not None and mine is not None and key != mine and key[0] == bp.FULL
+                and key[1][-b:] == mine[1][-b:]]
+        if not same:
+            return hit
+        blocks = (hit.blocks[0][:-1] + (same[0],), *hit.blocks[1:])
+        return bp.Hit(blocks=blocks, num_tokens=hit.num_tokens)
+
+
+@pytest.mark.parametrize(("cls", "expected"), [(_TakesAHeldBlock, "which are not free blocks of the pool"),
+                                               (_OtherKeysHit, "the reference caches that prefix in blocks")],
+                         ids=["takes_a_held_block", "other_keys_hit"])
+def test_without_exact_order_a_wrong_choice_is_caught(cls: type[BlockPoolRuntime], expected: str) -> None:
+    (verdict,) = kill_mutants({cls.__name__: cls}, component="block_pool", profile="ci")
+    assert verdict.killed and "HarnessError" not in verdict.evidence, verdict.evidence
+    assert expected in verdict.evidence, verdict.evidence
 
 
 W3 = bp.BlockPoolConfig(block_size=1, num_blocks=9, sliding_window=3, max_model_len=8)
