@@ -13,6 +13,11 @@ warm group per world size shared by its three factories), under the suite's defa
 ``--ranks agree``. Its other variants and ``--ranks mixed`` reach the reference's own findings (S10, R5-c, R5-d, T1,
 T5): a verdict for any implementation, so they are left out here.
 
+``block_pool`` (vLLM's v1 KV cache manager) has three managers too: which free block an allocation hands out (and
+so which cached block it evicts) and which of the blocks cached under one prefix a lookup returns are their reuse
+policy; without ``EXACT_PAGE_ORDER`` the suite follows those choices and compares everything else exactly (counts,
+block tables, keys, hit lengths, refusals).
+
 ``admission`` runs under its default budget (``corrected``) like every other component, and
 under every ``--budget`` value against kvproof's own runtime's live verdicts (:func:`runtime_verdict`):
 ``pre_27391``, ``upstream_27391`` and ``upstream_0523`` break A1 (S8) or liveness (S9) on some
@@ -44,7 +49,7 @@ from kvproof.reference.admission import AdmissionPolicy
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.registry import Component
 
-from . import admission, hisparse_host, loc_cache, swa_allocator, tp_prefetch
+from . import admission, block_pool, hisparse_host, loc_cache, swa_allocator, tp_prefetch
 
 VECTORS = Path(__file__).parent / "vectors"
 REMAP_VECTOR = VECTORS / "swa_allocator-fifo-P4-W6-F48-S24-remap.json"
@@ -53,7 +58,7 @@ DECODE_VECTOR = VECTORS / "decode_prealloc-fifo-P4-W6-F48-S24-free-then-decode.j
 #: name (as ``--impl`` spells it) -> factory, for every legal implementation
 LEGAL: dict[str, Any] = {
     f"tests.legal.{module.__name__.rsplit('.', 1)[-1]}:{name}": getattr(module, name)
-    for module in (swa_allocator, loc_cache, hisparse_host, admission, tp_prefetch)
+    for module in (swa_allocator, loc_cache, hisparse_host, admission, tp_prefetch, block_pool)
     for name in ("fifo", "lifo", "randomized")
 }
 LEGAL |= {f"tests.legal.swa_allocator:{name}": getattr(swa_allocator, name)
@@ -103,12 +108,7 @@ SHORT_CASES = _cases(small=False)
 
 
 #: components without legal implementations yet, each with the reason (a stale entry fails the test below)
-NOT_YET: dict[Component, str] = {
-    Component.BLOCK_POOL: "the free queue's order decides which cached block a new allocation evicts, hence every "
-                          "later prefix hit: a manager with another reuse order legally has other hits, which the "
-                          "suite's comparison without EXACT_PAGE_ORDER (block ids renamed, keys counted) does not "
-                          "model yet (issue 16 follow-up)",
-}
+NOT_YET: dict[Component, str] = {}
 
 
 def test_every_component_has_legal_implementations() -> None:
