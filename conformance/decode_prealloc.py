@@ -150,8 +150,12 @@ class DecodePreallocMachine(SWALockstep):
     def _step(self, op: str, result: dp.StepResult) -> None:
         self.trace.op(f"{op}() -> requests {list(result.rids)}" + (" (stalled)" if result.stalled else ""))
         self.followed = None
+        state = self.ref  # the reference allocator before each call: an admission's in-round reclaim reads it
         for call in result.calls:
+            if op == "pop_preallocated" and call.op in _PRE_ALLOC_OPS:
+                self._reclaim_in_round(call.rid, state)
             self._replay(call)
+            state = call.after if call.after is not None else state
         # a stalled decode whose failed alloc_decode was followed (--accept F1) ends on the leaked state
         followed = self.followed
         self.ref = followed[1] if followed is not None and followed[0] is result.allocator else result.allocator
@@ -246,7 +250,10 @@ class DecodePreallocMachine(SWALockstep):
         """Capability ``DECODE_BUDGETS``: the engine's own preallocation-queue functions, on its pools as they stand
         after this step, give the reference's per-request lengths and requirements and the budgets of the next
         admission round (§2.3-§2.5; the requirements and budgets as the corrected policy has them, R4: 0.5.23
-        page-rounds them)."""
+        page-rounds them); and, per queued and retracted request, the same admission decisions: the reservation
+        test of ``pop_preallocated`` / ``resume_retracted_reqs`` and the SWA reclaim before its preallocation (0.5.23's
+        ``reclaim_for_prealloc``, extending §2.5; nothing is evictable on this node). The reclaim is also compared
+        inside each admission round, right before an admitted request's preallocation (``_reclaim_in_round``)."""
         if not self.supports(C.DECODE_BUDGETS):
             return
         node = self.node.model_copy(update={"config": self.node.config.model_copy(
@@ -277,6 +284,77 @@ class DecodePreallocMachine(SWALockstep):
                     self.fail(f"{key} of request {req.rid} (prompt {req.origin_input_len}, outputs "
                               f"{req.output_len}) = {theirs[key]}, reference {value}", check="budget",
                               detail={"function": key, "implementation": theirs[key], "reference": value})
+        # SGLang's resume round keeps no "can finish" room (the reference's own round does: model gap M1)
+        resume = dp.allocatable_token_budgets(node, self.ref, count_retracted=False, reserve_finish=False)
+        for i, (req, theirs) in enumerate(zip(reqs, got["requests"], strict=True)):
+            if i >= n_run + n_ret:
+                self._decision_agrees(node, req, theirs, "pop_preallocated", budgets,
+                                      dp.admission_gate(node, self.ref, budgets, req),
+                                      dp.admission_reclaims_swa(node, self.ref))
+            elif i >= n_run:
+                self._decision_agrees(node, req, theirs, "resume_retracted_reqs", resume,
+                                      dp.resume_gate(node, self.ref, resume, req),
+                                      dp.resume_reclaims_swa(node, self.ref))
+
+    def _decision_agrees(self, node: dp.DecodeNode, req: dp.DecodeRequest, theirs: dict[str, Any], round_op: str,
+                         budgets: dp.Budgets, gate: dp.Gate, reclaims: bool) -> None:
+        """One queued (``pop_preallocated``) or retracted (``resume_retracted_reqs``) request: the engine's reservation
+        test against the round's budgets, whether it reclaims SWA room for the request's tail, and what the reclaim
+        finds (ready, or its shortfall: the page-rounded tail needed, the SWA tokens available with nothing
+        evictable), against the reference's gate and :func:`~kvproof.reference.decode_prealloc.reclaim_swa_tail`."""
+        who = (f"request {req.rid} (prompt {req.origin_input_len}, outputs {req.output_len}, max_new_tokens "
+               f"{req.max_new_tokens}) in {round_op}, after step {len(self.trace)} ({self._last_rule()})")
+        fits = bool(theirs["reservation_fits"])
+        if fits != gate.admit:
+            self.fail(f"the reservation test {'admits' if fits else 'refuses'} {who}; the reference "
+                      f"{'admits' if gate.admit else 'refuses: ' + gate.reason} (budgets (full, swa) = "
+                      f"({budgets.full}, {budgets.swa}), requirements ({gate.full_required}, {gate.swa_required}))",
+                      check="reservation", detail={"round": round_op, "implementation": fits, "reference": gate.admit,
+                                                   "budgets": [budgets.full, budgets.swa]})
+        self._reclaim_agrees(node, self.ref, req, theirs, round_op, who, reclaims)
+
+    def _last_rule(self) -> str:
+        steps = [step[0].split("(", 1)[0] for step in self.trace.steps if step]
+        return steps[-1] if steps else "no step yet"
+
+    def _reclaim_in_round(self, rid: int, state: ref.SWAAllocatorState) -> None:
+        """0.5.23 reclaims SWA room for an admitted request right before its ``_pre_alloc``, after the round's earlier
+        admissions: the engine's reclaim on its pools at that moment (this call not yet replayed) against the
+        reference's on ``state``, the reference allocator at the same point of the round."""
+        if not self.supports(C.DECODE_BUDGETS):
+            return
+        (req,) = [r for r in self.node.queue if r.rid == rid]
+        shape = (req.origin_input_len, req.output_len, req.max_new_tokens)
+        got = self.query("decode_budgets()", lambda impl: impl.decode_budgets(
+            [], [], [shape], reserved_decode_tokens=self.node.config.reserved_decode_tokens,
+            sliding_window_size=self.w))
+        (theirs,) = got["requests"]
+        who = (f"request {req.rid} (prompt {req.origin_input_len}, outputs {req.output_len}, max_new_tokens "
+               f"{req.max_new_tokens}) in pop_preallocated, before its preallocation")
+        self._reclaim_agrees(self.node, state, req, theirs, "pop_preallocated", who,
+                             dp.admission_reclaims_swa(self.node, state))
+
+    def _reclaim_agrees(self, node: dp.DecodeNode, state: ref.SWAAllocatorState, req: dp.DecodeRequest,
+                        theirs: dict[str, Any],
+                        round_op: str, who: str, reclaims: bool) -> None:
+        """Whether the engine reclaims SWA room for ``req`` as the reference says, and what the reclaim finds."""
+        if bool(theirs["reclaim_called"]) != reclaims:
+            self.fail(f"the implementation {'reclaims' if theirs['reclaim_called'] else 'does not reclaim'} SWA room "
+                      f"for {who}; the reference {'does' if reclaims else 'does not'}", check="reclaim",
+                      detail={"round": round_op, "implementation": bool(theirs["reclaim_called"]),
+                              "reference": reclaims})
+        if not reclaims:
+            return
+        want = dp.reclaim_swa_tail(node, state, req)
+        got = theirs["reclaim"]
+        mine = None if want.ready else (want.needed, want.available)
+        their = None if got is None else (got["needed"], got["available"])
+        if their != mine:
+            def say(x: tuple[int, int] | None) -> str:
+                return "ready" if x is None else f"short (needed {x[0]}, available {x[1]})"
+            self.fail(f"reclaim_for_prealloc for {who}: implementation {say(their)}, reference {say(mine)} "
+                      f"(page-rounded SWA tail {want.needed}, {want.available} SWA tokens free, nothing evictable)",
+                      check="reclaim", detail={"round": round_op, "implementation": their, "reference": mine})
 
     def _check_kv(self) -> None:
         geo, m = self.config.kv, self.ref.full_to_swa_index_mapping
@@ -297,6 +375,9 @@ class DecodePreallocMachine(SWALockstep):
                                    f"reference holds {got}")
 
 
+
+#: the allocator call of ``_pre_alloc`` (P == 1; P > 1 without tail mode; tail mode)
+_PRE_ALLOC_OPS = ("alloc", "alloc_extend", "alloc_extend_swa_tail")
 
 #: The conformance default: the corrected policy (D1 holds, so a failure is the allocator's), R = 0 (tight).
 DEFAULT_DECODE_CONFIG = dp.DecodeConfig(reserved_decode_tokens=0, policy=dp.PreallocPolicy.CORRECTED)

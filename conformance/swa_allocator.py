@@ -16,6 +16,12 @@ drafts under ``backup_state``/``restore_state``, retracts requests to CPU copies
 and resumes them (``get_cpu_copy`` / ``load_cpu_copy``), and writes KV. Sizes are
 biased to page and window boundaries (kP-1, kP, kP+1, W+-1). Misuse is exercised
 only for implementations declaring ``Capability.REJECTS_MISUSE``.
+
+Ring configs (``PoolConfig.swa_ring_size``, :data:`~kvproof.conformance.configs.RING_CONFIGS`): the harness also plays
+``ReqToTokenPool``: a new request first takes a request slot (``alloc_req_slots``; none free: it is not admitted),
+and a request the table drops gives it back (``free_req_slots``), as 0.5.23's scheduler does around the allocator;
+every position's SWA side is its slot's ring, so every request extends and the segment calls treat every page as
+having its SWA side (``free_segment``, ``free_swa_segment``), as the engine calls them on a ring.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from kvproof.conformance import strategies as st
 from kvproof.conformance.check import Suite
 from kvproof.conformance.compare import Divergence, Renaming
-from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS, RING_CONFIGS
 from kvproof.conformance.findings import Evidence, follows
 from kvproof.conformance.lockstep import (
     Lockstep,
@@ -117,6 +123,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         self.layers: dict[str, set[int]] = {"full": set(), "swa": set()}  # layer ids written per pool
         self.decoding: tuple[list[int], list[int]] | None = None  # the last alloc_decode's (seq_lens, last_loc)
         self.followed: tuple[ref.SWAAllocatorState, ref.SWAAllocatorState] | None = None  # (before, after) F1
+        self.ring = cfg.ring  # the per-request SWA ring: request slots are admitted and released around the calls
+        self.req_slot: dict[int, tuple[int, int]] = {}  # ring: request id -> (reference slot, implementation slot)
 
     # ------------------------------------------------------------ plumbing
 
@@ -142,8 +150,60 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         return self.next_rid - 1
 
     def _extendable(self, req: Req) -> bool:
-        """A 1:1 extend may continue ``req``: page-aligned, or its last token still has an SWA slot (M5)."""
-        return len(req.slots) % self.p == 0 or self.ref.full_to_swa_index_mapping[req.slots[-1]] > 0
+        """A 1:1 extend may continue ``req``: page-aligned, or its last token still has an SWA slot (M5); on a ring
+        always (its SWA side is the request slot's ring)."""
+        return self.ring or len(req.slots) % self.p == 0 or self.ref.full_to_swa_index_mapping[req.slots[-1]] > 0
+
+    def _has_swa(self, slot: int) -> bool:
+        """The position at reference full ``slot`` still has its SWA side: mapped, or (ring) its request's ring."""
+        return self.ring or self.ref.full_to_swa_index_mapping[slot] > 0
+
+    # ------------------------------------------------------------ request slots (ring configs: ReqToTokenPool)
+
+    def _admit(self, rids: list[int]) -> bool:
+        """Ring configs: the new requests ``rids`` take a request slot each (``alloc_req_slots``), or none is admitted
+        (both sides short: the scheduler leaves them waiting). Without a ring: nothing to take."""
+        if not self.ring or not rids:
+            return True
+        out = self.call("alloc_req_slots", f"need_size={len(rids)} for request(s) {rids}",
+                        lambda: ref.alloc_req_slots(self.ref, len(rids)),
+                        lambda: self.impl.alloc_req_slots(len(rids)))
+        if not out:
+            return False
+        (state, ref_slots), impl_slots = out
+        impl_list = [int(x) for x in impl_slots]
+        if len(impl_list) != len(ref_slots) or len(set(impl_list)) != len(impl_list) or set(impl_list) & {
+                i for _, i in self.req_slot.values()}:
+            self.fail(f"alloc_req_slots returned {impl_list} for {len(rids)} new request(s); held: "
+                      f"{sorted(i for _, i in self.req_slot.values())}", check="result")
+        self.ref = state
+        self.req_slot.update({rid: pair for rid, pair in zip(rids, zip(ref_slots, impl_list, strict=True),
+                                                             strict=True)})
+        return True
+
+    def _retire(self, rids: list[int]) -> None:
+        """Ring configs: the requests ``rids`` that hold a request slot give it back (``free_req_slots``)."""
+        held = [rid for rid in rids if rid in self.req_slot]
+        if not held:
+            return
+        ref_slots = [self.req_slot[rid][0] for rid in held]
+        impl_slots = [self.req_slot[rid][1] for rid in held]
+        out = self.call("free_req_slots", f"request(s) {held}", lambda: (ref.free_req_slots(self.ref, ref_slots), None),
+                        lambda: self.impl.free_req_slots(impl_slots))
+        if out:
+            self.ref = out[0][0]
+        for rid in held:
+            del self.req_slot[rid]
+
+    def _drop(self, rid: int) -> None:
+        """``rid`` leaves the request table (freed, retracted): its request slot goes back."""
+        self.reqs.pop(rid, None)
+        self._retire([rid])
+
+    def _retire_unlisted(self) -> None:
+        """Give back the request slots of admitted requests the table does not hold (an allocation that failed or
+        took no token, a restore that dropped the requests made after its backup)."""
+        self._retire([rid for rid in sorted(self.req_slot) if rid not in self.reqs])
 
     # ------------------------------------------------------------ helpers for allocation and release
 
@@ -176,6 +236,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
             return
         self.note(f"{op} batch size", len(batch))
         rids = [b[0] for b in batch]
+        if not self._admit([r for r in rids if r not in self.reqs]):
+            return
         pre, seq = [b[1] for b in batch], [b[2] for b in batch]
         last = [self.reqs[r].slots[-1] if p else -1 for r, p, _ in batch]
         impl_last = [self.names.impl_slot(s) if s >= 0 else -1 for s in last]
@@ -192,6 +254,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                                                            self._last_loc_tensor(impl_last), ext))
         if out:
             self._adopt(op, out, [(r, self.reqs[r].slots if r in self.reqs else [], s - p) for r, p, s in batch])
+        self._retire_unlisted()
 
     def _adopt(self, op: str, out: tuple[Any, Any], grown: list[tuple[int, list[int], int]]) -> None:
         """Take the new reference state, bind the returned pages, extend the request table."""
@@ -267,7 +330,8 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
         return {"requests alive at once": len(self.reqs),
                 "full pages of one request": max((-(-len(r.slots) // p) for r in self.reqs.values()), default=0),
                 "full pool exhausted": int(not self.ref.full.free_pages),
-                "swa pool exhausted": int(not self.ref.swa.free_pages)}
+                "swa pool exhausted": int(not self.ref.swa.free_pages),
+                **({"request slots exhausted": int(not self.ref.req_slots)} if self.ring else {})}
 
     # ------------------------------------------------------------ the invariant
 
@@ -298,7 +362,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
                                      lambda impl: {layer: impl.get_kvcache().get_kv_buffer(layer) for layer in written})
                 self.observe("get_kvcache().get_kv_buffer()", lambda: self._compare_kv(snap, buffers))
         except Divergence as err:
-            self.fail(str(err), check="state", detail=err.detail)
+            self.fail(str(err), check="state", detail={**err.detail, "ring": True} if self.ring else err.detail)
         self.trace.next_step()
 
     def _after_step(self) -> None:
@@ -416,6 +480,16 @@ class SWAAllocatorMachine(SWALockstep):
         """Batches of 1-3 requests; several requests alive, one as long as the SWA pool; both pools exhausted;
         two restores and two remaps in one example; every layer of each pool written."""
         geo, aligned = config.kv, config.page_size == 1  # at P == 1 every length is page aligned
+        if config.ring:  # no SWA page is ever taken (nothing to exhaust, re-map or release early); slots run out
+            return {"misuse alloc_extend_swa_tail:unaligned_tail": 0 if aligned else 1,
+                    "misuse alloc_decode:swa_released": 0, "misuse free_full:live_swa_peer": 0,
+                    "misuse release_batch:released_peer": 0, "misuse set_full_to_swa_mapping:foreign_swa_slot": 0,
+                    "alloc_extend batch size": 3, "alloc_decode batch size": 3,
+                    "requests alive at once": min(4, config.num_req_slots or 0),
+                    "full pages of one request": config.num_pages_swa, "full pool exhausted": 1,
+                    "request slots exhausted": 1, "restore_state per example": 2,
+                    "full layers written": len(geo.full_attention_layer_ids),
+                    "swa layers written": len(geo.swa_attention_layer_ids)}
         return {"misuse alloc_extend_swa_tail:unaligned_tail": 0 if aligned else 1,  # U1 needs a page of P > 1
                 "misuse alloc_decode:swa_released": 0 if aligned else 1,  # M5: an aligned request always extends
                 "alloc_extend batch size": 3, "alloc_decode batch size": 3,
@@ -428,11 +502,14 @@ class SWAAllocatorMachine(SWALockstep):
     @operation(needs={C.ALLOC}, pages=st.sampled_from([1, 2, 3, 4, 0]))  # Hypothesis favours the first: not 0
     def alloc(self, pages: int) -> None:
         n, rid = pages * self.p, self._new_rid()
+        if not self._admit([rid]):
+            return
         self._about_to_change([g * self.p for g in self.snapshot().full.free_pages[:pages]])
         out = self.call("alloc", f"need_size={n}", lambda: ref.alloc(self.ref, n, owner=rid),
                         lambda: self.impl.alloc(n))
         if out:
             self._adopt("alloc", out, [(rid, [], n)])
+        self._retire_unlisted()
 
     @operation(needs={C.ALLOC_EXTEND}, data=st.data())
     def alloc_extend(self, data: Any) -> None:
@@ -457,6 +534,8 @@ class SWAAllocatorMachine(SWALockstep):
         tail = natural if natural in valid and data.draw(st.integers(0, 3), label="other_tail") else data.draw(
             st.sampled_from(valid), label="swa_tail_len")
         rid = req.rid if req else self._new_rid()
+        if req is None and not self._admit([rid]):
+            return
         self._about_to_change([g * self.p + o for g in self.snapshot().full.free_pages[:2] for o in range(self.p)])
         last = req.slots[-1] if req else -1
         impl_last = self.names.impl_slot(last) if req else -1
@@ -468,12 +547,13 @@ class SWAAllocatorMachine(SWALockstep):
                                                     self._cpu([seq]), self._last_loc_tensor([impl_last]), ext, tail))
         if out:
             self._adopt("alloc_extend_swa_tail", out, [(rid, req.slots if req else [], ext)])
+        self._retire_unlisted()
 
     @operation(when=lambda self: self.reqs and self.pending is None, data=st.data())
     def free(self, data: Any) -> None:
         req = data.choose(sorted(self.reqs.values(), key=lambda r: r.rid), "request")
         if self._free_request(req):
-            self.reqs.pop(req.rid)
+            self._drop(req.rid)
 
     def _free_request(self, req: Req) -> bool:
         """Release all of ``req``: ``free``, or, when the implementation does not declare
@@ -481,15 +561,14 @@ class SWAAllocatorMachine(SWALockstep):
         positions then ``free_full`` (``False``: neither is possible, the request stays). Requests with an odd id
         take that second path whenever ``FREE_FULL`` is declared, as SGLang 0.5.23's callers release a request at
         P == 1, so ``free_full`` runs in every run that frees (no draw decides it: the examples stay as they were)."""
-        m = self.ref.full_to_swa_index_mapping
         split = self.supports(C.FREE_FULL) and req.rid % 2 == 1
-        if not split and (self.supports(C.FREE_RELEASED_SWA) or all(m[s] > 0 for s in req.slots)):
+        if not split and (self.supports(C.FREE_RELEASED_SWA) or all(self._has_swa(s) for s in req.slots)):
             self._release("free", req, req.slots)
             return True
         if not self.supports(C.FREE_FULL):
             self.stats.rules["free:not_applicable"] += 1
             return False
-        mapped = [s for s in req.slots if m[s] > 0]
+        mapped = [s for s in req.slots if self._has_swa(s)]
         if mapped:
             self._release("free_swa", req, mapped, "its still-mapped positions")
         self._release("free_full", req, req.slots)
@@ -513,8 +592,7 @@ class SWAAllocatorMachine(SWALockstep):
             lo = data.draw(st.integers(0, hi - 1), label="evict_start")
         slots = req.slots[lo:hi]
         if not self.supports(C.FREE_RELEASED_SWA):  # only positions whose SWA side is still there
-            m = self.ref.full_to_swa_index_mapping
-            slots = [s for s in slots if m[s] > 0]
+            slots = [s for s in slots if self._has_swa(s)]
             if not slots:
                 self.stats.rules["free_swa:not_applicable"] += 1
                 return
@@ -551,7 +629,7 @@ class SWAAllocatorMachine(SWALockstep):
             elif way == "evict_segment":
                 self._evict_segment(req, data)
             elif self._free_by_segments(req, data) if way == "segments" else self._free_request(req):
-                self.reqs.pop(req.rid)
+                self._drop(req.rid)
             if grouped:
                 self._compare_now("inside a free group")
             if not self.reqs:
@@ -584,10 +662,10 @@ class SWAAllocatorMachine(SWALockstep):
     def _page_runs(self, req: Req) -> list[tuple[int, int, bool]] | None:
         """``req``'s positions as maximal runs of whole pages with and without their SWA side, ``(start, end,
         mapped)`` (``None`` where a page is split: not a shape the segment calls take)."""
-        m, p = self.ref.full_to_swa_index_mapping, self.p
+        p = self.p
         runs: list[tuple[int, int, bool]] = []
         for start in range(0, len(req.slots), p):
-            mapped = [m[s] > 0 for s in req.slots[start:start + p]]
+            mapped = [self._has_swa(s) for s in req.slots[start:start + p]]
             if any(mapped) != all(mapped):
                 return None
             end = min(start + p, len(req.slots))
@@ -642,7 +720,7 @@ class SWAAllocatorMachine(SWALockstep):
     def free_full(self, data: Any) -> None:
         req = data.choose(self._swa_released(), "request")
         self._release("free_full", req, req.slots)
-        self.reqs.pop(req.rid)
+        self._drop(req.rid)
 
     @operation(when=lambda self: len(self.reqs) >= 2)  # clearing an almost empty pool teaches nothing
     def clear(self) -> None:
@@ -653,6 +731,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.reqs.clear()
             self.pending = None
             self.names.reset()
+            self._retire_unlisted()  # the requests are gone; ReqToTokenPool keeps their slots until given back
 
     @operation(needs={C.SET_FULL_TO_SWA_MAPPING}, when=lambda self: self.pending is None and self._swappable(),
                data=st.data())
@@ -689,6 +768,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.ref = out[0][0]
             self.reqs = {rid: Req(rid, slots) for rid, slots in pending.reqs.items()}
             self.pending = None
+            self._retire_unlisted()  # the drafts' requests are gone
             self.count("restore_state per example")
 
     @operation(needs={C.KV_BUFFER}, when=lambda self: self.reqs, data=st.data())
@@ -724,7 +804,7 @@ class SWAAllocatorMachine(SWALockstep):
                         lambda: self.impl.get_cpu_copy(self._t(impl_slots)))
         if out and self._free_request(req):  # retracted only once its slots are released
             self.retracted.append(Retracted(len(req.slots), out[0][1], out[1]))
-            self.reqs.pop(req.rid)
+            self._drop(req.rid)
 
     @operation(needs={C.CPU_COPY}, needs_any={C.ALLOC_EXTEND, C.ALLOC_EXTEND_SWA_TAIL},
                when=lambda self: self.retracted, data=st.data())
@@ -733,6 +813,8 @@ class SWAAllocatorMachine(SWALockstep):
         index = data.draw(st.integers(0, len(self.retracted) - 1), label="retracted")
         saved = self.retracted[index]
         rid, n = self._new_rid(), saved.length
+        if not self._admit([rid]):
+            return
         tail_ok = self.supports(C.ALLOC_EXTEND_SWA_TAIL)
         if tail_ok and (not self.supports(C.ALLOC_EXTEND) or data.draw(st.booleans(), label="resume_with_tail")):
             tail = swa_tail_len(n, self.w, self.p)
@@ -748,6 +830,7 @@ class SWAAllocatorMachine(SWALockstep):
                                                            self._t([-1]), n))
             op = "alloc_extend"
         if not out:
+            self._retire_unlisted()
             return
         self._adopt(op, out, [(rid, [], n)])
         slots = self.reqs[rid].slots
@@ -813,6 +896,8 @@ class SWAAllocatorMachine(SWALockstep):
 
     def _released_runs(self) -> list[tuple[Req, tuple[int, int]]]:
         """Runs of whole pages whose SWA side is released, per request (what ``free_segment`` must refuse)."""
+        if self.ring:  # every page has its SWA side (the ring): nothing released to refuse
+            return []
         return [(r, (lo, hi)) for r in self._requests() for lo, hi, mapped in self._page_runs(r) or () if not mapped]
 
     @misuse("release_batch", "released_peer",
@@ -871,7 +956,8 @@ class SWAAllocatorMachine(SWALockstep):
     def _unaligned(self) -> list[Req]:
         return [r for _, r in sorted(self.reqs.items()) if len(r.slots) % self.p]
 
-    @misuse("alloc_decode", "swa_released", when=lambda self: self.pending is None and bool(self._unaligned()))
+    @misuse("alloc_decode", "swa_released",
+            when=lambda self: not self.ring and self.pending is None and bool(self._unaligned()))
     def _decode_swa_released(self, data: Any) -> MisuseCall:
         """A request mid-page whose last page's SWA side is released (staged here, with a legal ``free_swa`` of its
         still-mapped positions, when it is not so already: the state is otherwise rare)."""
@@ -894,7 +980,7 @@ class SWAAllocatorMachine(SWALockstep):
             self.fail("backup_state failed on both sides")
         ref_backup, impl_backup = out[0][0], out[1]
         self._release("free", req, req.slots)
-        self.reqs.pop(req.rid)
+        self._drop(req.rid)
         return MisuseCall("after a free since backup_state", lambda: (ref.restore_state(self.ref, ref_backup), None),
                           lambda: self.impl.restore_state(impl_backup))
 
@@ -934,4 +1020,4 @@ class SWAAllocatorMachine(SWALockstep):
                                                                     self._t([0, 0])))
 
 
-SUITE = Suite(SWAAllocatorMachine, CONFORMANCE_CONFIGS)
+SUITE = Suite(SWAAllocatorMachine, CONFORMANCE_CONFIGS + RING_CONFIGS)

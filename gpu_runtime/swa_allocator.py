@@ -23,6 +23,13 @@ Method names and tensor signatures are SGLang 0.5.23's; the observable behaviour
 * ``set_full_to_swa_mapping`` keeps the live mapping well formed (M2 with ghost page
   owners, M5, G3: :mod:`._mapping`), as the reference's.
 
+Ring mode (``PoolConfig.swa_ring_size``: 0.5.23's per-request SWA ring, docs/sglang-findings.md "The per-request SWA
+ring"), as the reference's: the request slots are a free-slot list (``alloc_req_slots`` takes from its tail,
+``free_req_slots`` appends, ``ReqToTokenPool.alloc_rows`` / ``free_rows``); ``swa_available_size`` = free slots x
+``swa_ring_cost``, ``available_size`` = the full pool's; every allocation takes full pages only and never writes M
+(``alloc`` too: upstream's has no ring branch, finding F8); ``free_swa`` / ``free_swa_segment`` validate and release
+nothing, ``free`` / ``free_segment`` release the full side only.
+
 Loc cache (PR #25824 / #26152, §3.3): the pool memoises ``M[x]``; every mutator of M
 drops that cache at its START, before any check that can fail, through one call site
 per point (:meth:`_invalidate_at`, consulting :attr:`invalidate_at`): ``alloc``,
@@ -123,6 +130,9 @@ class SWATokenToKVPoolAllocator:
         self._last_snapshot: AllocatorSnapshot | None = None  # the previous snapshot() and its pools' parts
         self._last_pool_snapshots: dict[str, PoolSnapshot] = {}
         self._owners = Owners(config.num_pages_full, config.num_pages_swa, self.device)  # ghost, for M2
+        # ring mode: the SWA side is each request slot's ring (ReqToTokenPool's free slots, slot 0 its padding row)
+        self._ring, self._ring_cost = config.ring, config.swa_ring_cost
+        self._req_free: list[int] = list(range(1, (config.num_req_slots or 0) + 1))
         # the pool exists before clear(), because clear invalidates its cache
         self._kvcache = self.kv_pool_class(config, self.device)
         if P.REGISTER_MAPPING not in self.invalidate_at:  # that point is the pool's own (SWAKVPool.register_mapping)
@@ -147,13 +157,18 @@ class SWATokenToKVPoolAllocator:
     # ------------------------------------------------------------ queries
 
     def available_size(self) -> int:
-        """``min(full, swa)`` free tokens (§1.5)."""
+        """``min(full, swa)`` free tokens (§1.5); in ring mode the full pool's alone."""
+        if self._ring:
+            return self.full_available_size()
         return min(self.full_available_size(), self.swa_available_size())
 
     def full_available_size(self) -> int:
         return self.full_attn_allocator.available_size()
 
     def swa_available_size(self) -> int:
+        """The paged SWA pool's free tokens; in ring mode free request slots x ``swa_ring_cost``."""
+        if self._ring:
+            return len(self._req_free) * self._ring_cost
         return self.swa_attn_allocator.available_size()
 
     @property
@@ -214,6 +229,10 @@ class SWATokenToKVPoolAllocator:
         require(need_size >= 0, op, "need_size", lambda: f"must be >= 0, got {need_size}")
         # the paged bulk alloc takes whole pages
         require(need_size % p == 0, op, "need_size", lambda: f"{need_size} is not a multiple of page_size {p}")
+        if self._ring:  # full pages only, M unwritten (upstream's alloc has no ring branch: F8)
+            self._check_capacity(op, need_size // p, 0)
+            full, _ = self.full_attn_allocator.alloc_pages(need_size)
+            return full
         self._check_capacity(op, need_size // p, need_size // p)
         full, fpages = self.full_attn_allocator.alloc_pages(need_size)
         swa, spages = self.swa_attn_allocator.alloc_pages(need_size, keep=False)  # only mapped, below
@@ -229,7 +248,8 @@ class SWATokenToKVPoolAllocator:
         args = self._extend_args(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
         host = host_batch(args)
         check_extend_args(self.full_attn_allocator, op, args, extend_num_tokens, host)
-        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
+        if not self._ring:  # M5: a ring has no SWA page to continue
+            check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), self.page_size)
         return self._alloc_one_to_one(op, plan, args)
 
@@ -244,7 +264,8 @@ class SWATokenToKVPoolAllocator:
         args = (seq - 1, seq_cpu - 1, seq, seq_cpu, as_index(last_loc, self.device))
         host = HostBatch([s - 1 for s in seq_l], seq_l)
         check_extend_args(self.full_attn_allocator, op, args, len(seq_l), host)
-        check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
+        if not self._ring:  # M5: a ring has no SWA page to continue
+            check_swa_continuation(self.full_to_swa_index_mapping, self.page_size, op, args, host)
         return self._alloc_one_to_one(op, decode_plan(seq, seq_cpu, self.page_size), args)
 
     def alloc_extend_swa_tail(self, prefix_lens: Tensor, prefix_lens_cpu: Tensor, seq_lens: Tensor,
@@ -267,6 +288,8 @@ class SWATokenToKVPoolAllocator:
         require(start % p == 0, op, "swa_tail_len",
                 lambda: f"tail start {start} is not a multiple of page_size {p} (U1)")
         plan = extend_plan(*args[:4], extend_num_tokens, self._count_new_pages(args[1], args[3]), p)
+        if self._ring:  # full KV for the whole extend, M unwritten (0.5.23's ring branch)
+            return self._alloc_full_only(op, plan, args)
         swa_pages = -(-swa_tail_len // p)
         self._check_capacity(op, plan.num_new_pages, swa_pages)
         owner = self._owners.of_requests(args[0], args[1], args[4], p)
@@ -316,13 +339,16 @@ class SWATokenToKVPoolAllocator:
         """Release the SWA side, then the full pages touched (0.5.23 order). Not idempotent."""
         self._invalidate_at(P.FREE_SWA)  # free reaches free_swa's point
         pages = self._check_release("free", free_index)
-        self._release_swa(pages)
+        if not self._ring:  # the ring owns no paged SWA peer
+            self._release_swa(pages)
         self._release_full(pages)
 
     def free_swa(self, free_index: Tensor) -> None:
         """Release the SWA pages of the full pages ``free_index`` touches; zero their M (M3). Window eviction."""
         self._invalidate_at(P.FREE_SWA)
-        self._release_swa(self._check_release("free_swa", free_index))
+        pages = self._check_release("free_swa", free_index)
+        if not self._ring:  # ring: validated, nothing released, nothing credited
+            self._release_swa(pages)
 
     def free_full(self, free_index: Tensor) -> None:
         """Release full pages whose SWA side is already released (0.5.23 ``free_full``). No invalidation: M stays."""
@@ -363,11 +389,11 @@ class SWATokenToKVPoolAllocator:
 
     def free_segment(self, free_index: Tensor, *, start_pos: int) -> None:
         """Release ``kv_row[start_pos : start_pos + n]`` of one request, both sides, pages in the segment's order."""
-        self._segment("free_segment", free_index, start_pos, swa=True, full=True)
+        self._segment("free_segment", free_index, start_pos, swa=not self._ring, full=True)
 
     def free_swa_segment(self, free_index: Tensor, *, start_pos: int) -> None:
         """The SWA side of :meth:`free_segment` alone."""
-        self._segment("free_swa_segment", free_index, start_pos, swa=True, full=False)
+        self._segment("free_swa_segment", free_index, start_pos, swa=not self._ring, full=False)
 
     def free_full_segment(self, free_index: Tensor, *, start_pos: int) -> None:
         """The full side of :meth:`free_segment`, for positions whose SWA peers are released."""
@@ -380,7 +406,7 @@ class SWATokenToKVPoolAllocator:
         dead, alive = split_kv_row_segments([(as_index(t, self.device), s) for t, s in segments], swa_evicted_seqlen,
                                             swa_dead_lo, self.page_size)
         plans = [self._segment_plan("free_full_segment", t, s, swa=False) for t, s in dead if t.numel()]
-        plans += [self._segment_plan("free_segment", t, s, swa=True) for t, s in alive if t.numel()]
+        plans += [self._segment_plan("free_segment", t, s, swa=not self._ring) for t, s in alive if t.numel()]
         seen = [plan[0] for plan in plans]  # the pieces of one row must not overlap
         if len(seen) > 1:
             both = torch.cat(seen)
@@ -391,10 +417,15 @@ class SWATokenToKVPoolAllocator:
 
     def _segment(self, op: str, free_index: Tensor, start_pos: int, *, swa: bool, full: bool) -> None:
         idx = as_index(free_index, self.device)
-        if idx.numel():
-            self._segment_apply(*self._segment_plan(op, idx, start_pos, swa=swa), full=full)
+        if not idx.numel():
+            return
+        if not (swa or full):  # ring mode's free_swa_segment: the checks of a segment, then nothing released
+            self._segment_plan(op, idx, start_pos, swa=False, peers_checked=False)
+            return
+        self._segment_apply(*self._segment_plan(op, idx, start_pos, swa=swa), full=full)
 
-    def _segment_plan(self, op: str, idx: Tensor, start_pos: int, *, swa: bool) -> tuple[Tensor, Tensor | None]:
+    def _segment_plan(self, op: str, idx: Tensor, start_pos: int, *, swa: bool,
+                      peers_checked: bool = True) -> tuple[Tensor, Tensor | None]:
         """Validate one segment: ``(its representative slots, their SWA pages or None)``."""
         p, m = self.page_size, self.full_to_swa_index_mapping
         self.full_attn_allocator.check_live(op, "free_index", idx, duplicates_ok=False,
@@ -408,7 +439,7 @@ class SWATokenToKVPoolAllocator:
                 "page_size positions per page)")
         reps = idx[::p]
         if not swa:
-            require(not bool(m.index_select(0, idx).any()), op, "free_index",
+            require(not peers_checked or not bool(m.index_select(0, idx).any()), op, "free_index",
                     "a slot still maps to an SWA slot: use free_segment")
             return reps, None
         peers = m.index_select(0, reps)
@@ -481,6 +512,38 @@ class SWATokenToKVPoolAllocator:
         swa.restore_state(state.swa)
         self._epoch += 1  # a restore releases pages too: any other backup is stale from now on
 
+    # ------------------------------------------------------------ request slots of the per-request SWA ring
+
+    def alloc_req_slots(self, need_size: int) -> list[int]:
+        """Take ``need_size`` request slots from the tail of the free-slot list (``ReqToTokenPool.alloc_rows``)."""
+        op, need_size = "alloc_req_slots", int(need_size)
+        self._require_ring(op)
+        require(need_size >= 0, op, "need_size", lambda: f"must be >= 0, got {need_size}")
+        free = self._req_free
+        if need_size > len(free):
+            raise OutOfMemory(op, "req_slots", need_size, len(free))
+        if need_size == 0:
+            return []
+        taken = free[-need_size:]
+        del free[-need_size:]
+        return taken
+
+    def free_req_slots(self, indices: list[int]) -> None:
+        """Give request slots back, appended in order (``ReqToTokenPool.free_rows``); each must be held."""
+        op, n, slots = "free_req_slots", self.config.num_req_slots or 0, [int(x) for x in indices]
+        self._require_ring(op)
+        free = set(self._req_free)
+        for i, slot in enumerate(slots):
+            if not 1 <= slot <= n:
+                raise InvalidOperation(op, "indices", f"request slot {slot} is outside [1, {n}]")
+            if slot in free or slot in slots[:i]:
+                raise InvalidOperation(op, "indices", f"request slot {slot} is not held (double free)")
+        self._req_free.extend(slots)
+
+    def _require_ring(self, op: str) -> None:
+        require(self._ring, op, "state", "the allocator has no per-request SWA ring (PoolConfig.swa_ring_size is "
+                                         "None): request slots are not its to count")
+
     # ------------------------------------------------------------ KV rows and CPU copies
 
     def get_cpu_copy(self, indices: Tensor) -> KVCpuCopy:
@@ -534,6 +597,8 @@ class SWATokenToKVPoolAllocator:
 
     def _alloc_one_to_one(self, op: str, plan: Plan, args: ExtendArgs) -> Tensor:
         """The shared body of ``alloc_extend`` / ``alloc_decode`` after validation."""
+        if self._ring:
+            return self._alloc_full_only(op, plan, args)
         last_loc = args[4]
         self._check_capacity(op, plan.num_new_pages, plan.num_new_pages)
         swa_last_loc = self._swa_last_loc(last_loc)  # before this call writes M (C4)
@@ -542,6 +607,13 @@ class SWATokenToKVPoolAllocator:
         swa, spages = self.swa_attn_allocator.alloc_planned_pages(plan, swa_last_loc, keep=False)  # only mapped
         self._claim(plan, owners, (full, fpages), (swa, spages))
         self._map(full, swa)
+        return full
+
+    def _alloc_full_only(self, op: str, plan: Plan, args: ExtendArgs) -> Tensor:
+        """Ring mode's allocation: the full pages of ``plan``, capacity the full pool's, M unwritten."""
+        self._check_capacity(op, plan.num_new_pages, 0)
+        # no ghost owners: they pair full pages with SWA pages (M2), and a ring maps none
+        full, _ = self.full_attn_allocator.alloc_planned_pages(plan, args[4])
         return full
 
     def _claim(self, plan: Plan, owners: int | Tensor, full: tuple[Tensor, Tensor], swa: tuple[Tensor, Tensor]) -> None:

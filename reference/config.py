@@ -148,6 +148,23 @@ class PoolConfig(ConfigModel):
     page_size: int = Field(gt=0, description="tokens per page (P)")
     sliding_window_size: int = Field(gt=0, description="sliding window in tokens (W)")
     kv: KVGeometry = KVGeometry()
+    #: the per-request SWA ring of SGLang 0.5.23 (``BaseSWAKVPool.swa_req_ring_size``, set only by DeepSeek-V4's
+    #: pool): ``None`` = the paged SWA pool; else every request slot owns a ring of this many tokens
+    swa_ring_size: int | None = Field(default=None, gt=0, description="per-request SWA ring in tokens (ring mode)")
+    #: request slots (``ReqToTokenPool`` size) the ring is counted in; set exactly when ``swa_ring_size`` is
+    num_req_slots: int | None = Field(default=None, gt=0, description="request slots of the ring (ring mode only)")
+
+    @model_validator(mode="after")
+    def _ring_has_slots(self) -> PoolConfig:
+        # ring capacity is counted in request slots (SGLang asserts a req_to_token_pool in ring mode)
+        if self.swa_ring_size is not None and self.num_req_slots is None:
+            raise ConfigError("PoolConfig", "num_req_slots",
+                              f"required with swa_ring_size ({self.swa_ring_size}): the ring is counted in request "
+                              "slots")
+        if self.swa_ring_size is None and self.num_req_slots is not None:
+            raise ConfigError("PoolConfig", "num_req_slots",
+                              f"only with swa_ring_size (a ring config), got {self.num_req_slots}")
+        return self
 
     @model_validator(mode="after")
     def _sizes_fit_pages(self) -> PoolConfig:
@@ -176,6 +193,22 @@ class PoolConfig(ConfigModel):
         """Length of ``full_to_swa_index_mapping``: one entry per full slot plus the -1 sentinel."""
         return self.size_full + self.page_size + 1
 
+    @property
+    def ring(self) -> bool:
+        """Ring mode: the SWA side is a per-request-slot ring, not the paged SWA pool (sglang_semantics.md §1.5;
+        0.5.23 ``SWATokenToKVPoolAllocator._swa_req_ring``)."""
+        return self.swa_ring_size is not None
+
+    @property
+    def swa_ring_cost(self) -> int:
+        """Tokens one request slot's ring costs: ``ceil(swa_ring_size / P) * P`` (0 without a ring)."""
+        if self.swa_ring_size is None:
+            return 0
+        p = self.page_size
+        return -(-self.swa_ring_size // p) * p
+
     def label(self) -> str:
-        """Short id used in test ids and reports, e.g. ``P4-W6-F32-S16``."""
-        return f"P{self.page_size}-W{self.sliding_window_size}-F{self.size_full}-S{self.size_swa}"
+        """Short id used in test ids and reports, e.g. ``P4-W6-F32-S16``; a ring config appends ``-R<ring>x<slots>``
+        (``P2-W3-F24-S12-R3x4``)."""
+        base = f"P{self.page_size}-W{self.sliding_window_size}-F{self.size_full}-S{self.size_swa}"
+        return base if self.swa_ring_size is None else f"{base}-R{self.swa_ring_size}x{self.num_req_slots}"

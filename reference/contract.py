@@ -113,6 +113,13 @@ class SWAAllocatorUnderTest(Protocol):
     def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                      last_loc: torch.Tensor) -> torch.Tensor: ...
 
+    def alloc_req_slots(self, need_size: int) -> list[int]:
+        """Ring configs only (``PoolConfig.swa_ring_size``): take request slots, each with its SWA ring
+        (``ReqToTokenPool.alloc_rows``); ``OutOfMemory`` when too few are free."""
+
+    def free_req_slots(self, indices: list[int]) -> None:
+        """Ring configs only: give request slots back (``ReqToTokenPool.free_rows``)."""
+
     def alloc_extend_swa_tail(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                               seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int,
                               swa_tail_len: int) -> torch.Tensor: ...
@@ -368,7 +375,11 @@ class DecodeBudgetsUnderTest(Protocol):
                        sliding_window_size: int) -> dict[str, object]:
         """``{"clip": CLIP, "budgets": (full, swa or None), "requests": [{"fill_len", "swa_tail_len",
         "swa_retractable_len", "prealloc_kv_lens", "prealloc_required_tokens"} per request of running + retracted +
-        queued, in that order]}``."""
+        queued, in that order]}``; a retracted or queued request's entry also has its admission decision on the pools
+        as they stand: ``"reservation_fits"`` (the resume round's, resp. the next ``pop_preallocated`` round's,
+        reservation test), ``"reclaim_called"`` (whether admitting it reclaims SWA room for its tail first) and
+        ``"reclaim"`` (that reclaim's answer: ``None`` when ready or not called, else ``{"needed": page-rounded tail,
+        "available": free SWA tokens after evicting, ...}``)."""
 
 #: The protocols an implementation of each component meets (an allocator's KV pool included): every
 #: lockstep operation that acts on the implementation is a method of one of them (tests/test_registry.py).

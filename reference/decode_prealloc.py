@@ -8,6 +8,10 @@ page-aligned window tail in the SWA pool (``alloc_extend_swa_tail``, §2.7). Run
 requests decode one token per step and release out-of-window SWA pages
 (``_evict_swa``, §1.6); under memory pressure they are retracted to a CPU copy and
 later resumed (:func:`resume_retracted_reqs`) with ``load_cpu_copy`` (§2.8).
+0.5.23 reclaims SWA room for a request's tail before preallocating it
+(``reclaim_for_prealloc``): :func:`reclaim_swa_tail` says what that finds on a node
+without a prefix cache (the page-rounded tail against the free SWA tokens), and
+:func:`admission_reclaims_swa` / :func:`resume_reclaims_swa` for whom it is asked.
 
 The upstream policy and the corrected one are two values of one typed parameter,
 :class:`PreallocPolicy`:
@@ -56,8 +60,10 @@ __all__ = [
     "PreallocPolicy",
     "RetractedRequest",
     "RunningRequest",
+    "SWAReclaim",
     "StepResult",
     "admission_gate",
+    "admission_reclaims_swa",
     "allocatable_token_budgets",
     "arrive",
     "check_node",
@@ -68,6 +74,9 @@ __all__ = [
     "pop_preallocated",
     "prealloc_kv_lens",
     "prealloc_required_tokens",
+    "reclaim_swa_tail",
+    "resume_gate",
+    "resume_reclaims_swa",
     "resume_retracted_reqs",
     "retract",
     "swa_retractable_len",
@@ -287,13 +296,21 @@ def need_space_for_single_req(node: DecodeNode, retractable: int) -> int:
 
 
 def allocatable_token_budgets(node: DecodeNode, allocator: sa.SWAAllocatorState, *, count_retracted: bool = True,
-                              extra_reserved_reqs: int = 0) -> Budgets:
-    """Both budgets from the pools' free space, the reservations and the retracted queue."""
+                              extra_reserved_reqs: int = 0, reserve_finish: bool = True) -> Budgets:
+    """Both budgets from the pools' free space, the reservations and the retracted queue.
+
+    ``reserve_finish``: whether the budgets keep the "one running request can finish" room (``need``, ``need_swa``;
+    SGLang's ``pop_preallocated`` passes the retractable counts they are computed from). SGLang's
+    ``resume_retracted_reqs`` passes none, so its ``_need_space_for_single_req(None)`` is 0 and only ``R`` per active
+    request is reserved (the PR era and 0.5.23 alike): ``reserve_finish=False`` is that budget. This module's own
+    :func:`resume_retracted_reqs` still keeps the room (§2.5: "the same budgets"), a stricter round recorded as
+    model gap M1 in docs/sglang-findings.md ("The decode preallocation queue's own budget functions").
+    """
     tail = uses_tail(node, allocator)
     retractable = sum(r.origin_input_len + r.output_len for r in node.running)
     n_active = len(node.running) + extra_reserved_reqs
     reserved = node.config.reserved_decode_tokens * n_active
-    need = need_space_for_single_req(node, retractable)
+    need = need_space_for_single_req(node, retractable) if reserve_finish else 0
     available = sa.full_available_size(allocator) if tail else sa.available_size(allocator)
     full = available - max(reserved, need)
     if count_retracted:
@@ -302,7 +319,7 @@ def allocatable_token_budgets(node: DecodeNode, allocator: sa.SWAAllocatorState,
         return Budgets(full=full, swa=None)
     retractable_swa = sum(swa_retractable_len(node, allocator, r) for r in node.running)
     need_swa = max((swa_tail_len(node, allocator, r.origin_input_len) + _clipped(node, r) - retractable_swa
-                    for r in node.running), default=need)
+                    for r in node.running), default=need) if reserve_finish else 0
     swa_available = sa.swa_available_size(allocator)
     swa_used = allocator.config.size_swa - swa_available
     growth = max(0, n_active * allocator.config.sliding_window_size - swa_used)
@@ -329,6 +346,63 @@ def admission_gate(node: DecodeNode, allocator: sa.SWAAllocatorState, budgets: B
             return Gate(admit=False, full_required=full_req, swa_required=swa_req,
                         reason=f"SWA gate: needs {swa_need} > budget {budgets.swa}")
     return Gate(admit=True, full_required=full_req, swa_required=swa_req)
+
+
+def resume_gate(node: DecodeNode, allocator: sa.SWAAllocatorState, budgets: Budgets, req: DecodeRequest) -> Gate:
+    """The resumption gate of :func:`resume_retracted_reqs` (§2.5, last paragraph): both requirements within the
+    budgets (the SWA one in tail mode only), no "can finish" clause."""
+    full_req, swa_req = prealloc_required_tokens(node, allocator, req)
+    if full_req > budgets.full:
+        return Gate(admit=False, full_required=full_req, swa_required=swa_req,
+                    reason=f"full gate: needs {full_req} > budget {budgets.full}")
+    if budgets.swa is not None and swa_req > budgets.swa:
+        return Gate(admit=False, full_required=full_req, swa_required=swa_req,
+                    reason=f"SWA gate: needs {swa_req} > budget {budgets.swa}")
+    return Gate(admit=True, full_required=full_req, swa_required=swa_req)
+
+
+# ---------------------------------------------------------------- SWA reclaim before a preallocation (0.5.23)
+
+
+class SWAReclaim(BaseModel):
+    """Reclaiming SWA room for one request's tail before its preallocation (0.5.23, extending §2.5 step 6).
+
+    ``needed`` is the page-rounded SWA tail ``ceil_P(swa_tail_len(A))``; ``available`` the SWA pool's free tokens
+    after evicting what a prefix cache could give back -- nothing: the decode node modelled here has no prefix cache
+    (§2.4 note), so it is the pool's free SWA tokens as they stand. The reclaim is *ready* when the tail fits.
+    """
+
+    model_config = _FROZEN
+
+    needed: int
+    available: int
+
+    @property
+    def ready(self) -> bool:
+        return self.needed <= self.available
+
+
+def admission_reclaims_swa(node: DecodeNode, allocator: sa.SWAAllocatorState) -> bool:
+    """Whether admitting a queued request reclaims SWA room for its tail first (after both gates pass, before
+    ``_pre_alloc``): in tail mode, where the round has an SWA budget. 0.5.23 aborts the request (it leaves the queue,
+    the round goes on) when the reclaim falls short; under ``CORRECTED`` it never does, since the SWA gate's
+    requirement is at least the page-rounded tail and the SWA budget at most the free SWA tokens."""
+    return uses_tail(node, allocator)
+
+
+def resume_reclaims_swa(node: DecodeNode, allocator: sa.SWAAllocatorState) -> bool:
+    """Whether resuming a retracted request reclaims SWA room first: never with separate full and SWA pools (the
+    reservation's SWA budget already prices what could be reclaimed; only a pool cutting both sides from one buffer
+    reclaims there) and no prefix cache on the node (``_pre_alloc`` reclaims only with a decode radix cache)."""
+    return False
+
+
+def reclaim_swa_tail(node: DecodeNode, allocator: sa.SWAAllocatorState, req: DecodeRequest) -> SWAReclaim:
+    """What reclaiming SWA room for ``req``'s preallocation finds now: its page-rounded tail against the free SWA
+    tokens (nothing is evictable). Page-rounded under either policy: it prices the pages ``alloc_extend_swa_tail``
+    takes, not a budget requirement."""
+    swa = prealloc_kv_lens(node, allocator, req)[1]
+    return SWAReclaim(needed=ceil_p(swa, allocator.config.page_size), available=sa.swa_available_size(allocator))
 
 
 def _refresh(node: DecodeNode, allocator: sa.SWAAllocatorState, budgets: Budgets, gate: Gate, admitted: int, *,
@@ -511,6 +585,10 @@ def retract(node: DecodeNode, allocator: sa.SWAAllocatorState, rid: int) -> Step
 def resume_retracted_reqs(node: DecodeNode, allocator: sa.SWAAllocatorState) -> StepResult:
     """Re-admit retracted requests in order (budgets without the retracted queue), then load their KV (§2.5).
 
+    The budgets keep the "can finish" room, which SGLang's resume round does not (model gap M1:
+    ``allocatable_token_budgets``, ``reserve_finish``): a stricter round, so a resumption made here SGLang makes too on
+    the same state.
+
     UPSTREAM decrements both budgets by the unrounded requirements between
     admissions (R4); CORRECTED recomputes them.
     """
@@ -518,10 +596,10 @@ def resume_retracted_reqs(node: DecodeNode, allocator: sa.SWAAllocatorState) -> 
     budgets = allocatable_token_budgets(node, allocator, count_retracted=False)
     running, resumed = list(node.running), list[int]()
     for req in node.retracted:
-        full_req, swa_req = prealloc_required_tokens(start, allocator, req)
-        if full_req > budgets.full or (budgets.swa is not None and swa_req > budgets.swa):
+        gate = resume_gate(start, allocator, budgets, req)
+        if not gate.admit:
             break
-        gate = Gate(admit=True, full_required=full_req, swa_required=swa_req)
+        full_req, swa_req = gate.full_required, gate.swa_required
         try:
             slots = _pre_alloc(node, calls, req)
         except OutOfMemory as err:

@@ -40,6 +40,23 @@ Where kvproof deliberately differs from SGLang 0.5.23, the code says
   touches and clears the mapping of those whole pages (0.5.23's page expansion);
   stale entries on never-handed-out slots are ignored.
 
+Ring mode (``PoolConfig.swa_ring_size``, 0.5.23's per-request SWA ring: ``BaseSWAKVPool.swa_req_ring_size``, set only
+by DeepSeek-V4's pool; sglang_semantics.md §1.5, docs/sglang-findings.md "The per-request SWA ring"): every request
+slot of ``ReqToTokenPool`` owns a ring of ``swa_ring_cost = ceil(ring / P) * P`` SWA tokens, addressed by the slot,
+so the paged SWA pool and the mapping are not used:
+
+* ``swa_available_size`` is free request slots x ``swa_ring_cost``; ``available_size`` is the full pool's alone;
+* ``alloc``, ``alloc_extend``, ``alloc_decode``, ``alloc_extend_swa_tail`` take full pages only (the capacity check is
+  the full pool's) and never write the mapping; M5 (continuing an SWA page) does not apply;
+* ``free_swa`` and ``free_swa_segment`` release nothing (arguments still validated), ``free`` / ``free_segment`` only
+  their full side: no release ever credits SWA capacity;
+* request slots: :func:`alloc_req_slots` / :func:`free_req_slots` (``ReqToTokenPool.alloc_rows`` / ``free_rows``:
+  ``alloc`` / ``free`` without a ``Req``): taken from the tail of the free-slot list, given back at its end; ``clear``
+  leaves them (the allocator's ``clear`` does not touch ``ReqToTokenPool``).
+
+[Differs from SGLang 0.5.23: ``alloc`` (P == 1) has no ring branch upstream: it still takes paged SWA slots and writes
+the mapping, which the ring's ``free`` never clears nor gives back (finding F8, reachable by no 0.5.23 caller).]
+
 Free groups (``free_group_begin`` / ``free_group_end``) and the kv-row segment releases (``free_segment``,
 ``free_swa_segment``, ``free_full_segment``, ``free_kv_row_segments``) are modelled as in 0.5.23
 (sglang_semantics.md §1.2, §1.5, extended as "§1.5a" in docs/contract.md): inside a group a release clears the
@@ -103,6 +120,7 @@ __all__ = [
     "alloc_decode",
     "alloc_extend",
     "alloc_extend_swa_tail",
+    "alloc_req_slots",
     "available_size",
     "backup_state",
     "check_live_mapping",
@@ -114,6 +132,7 @@ __all__ = [
     "free_group_begin",
     "free_group_end",
     "free_kv_row_segments",
+    "free_req_slots",
     "free_segment",
     "free_swa",
     "free_swa_segment",
@@ -162,6 +181,7 @@ class SWAAllocatorState(BaseModel):
     epoch: int = 0  # ghost: bumped by every release (restores, clears) and remap; restore_state needs it unchanged
     next_owner: int = 1  # ghost: label for the next anonymous owner
     group: FreeGroup | None = None  # the open free group (free_group_begin), None outside one
+    req_slots: tuple[int, ...] = ()  # ring mode: ReqToTokenPool's free request slots, in its order; () without a ring
 
 
 class AllocatorBackup(BaseModel):
@@ -217,6 +237,7 @@ def initial_state(config: PoolConfig) -> SWAAllocatorState:
         full_to_swa_index_mapping=(0,) * (config.mapping_len - 1) + (-1,),
         kv=empty_store(config),
         fill=(0,) * (config.num_pages_full + 1),
+        req_slots=tuple(range(1, (config.num_req_slots or 0) + 1)),  # slot 0 is ReqToTokenPool's padding row
     )
     if len(_INITIAL) >= _INITIAL_MAX:
         _INITIAL.pop(next(iter(_INITIAL)), None)
@@ -225,7 +246,9 @@ def initial_state(config: PoolConfig) -> SWAAllocatorState:
 
 
 def available_size(state: SWAAllocatorState) -> int:
-    """``min(full, swa)`` free tokens (§1.5)."""
+    """``min(full, swa)`` free tokens (§1.5); in ring mode the full pool's alone (the ring never limits growth)."""
+    if state.config.ring:
+        return state.full.available_size
     return min(state.full.available_size, state.swa.available_size)
 
 
@@ -234,6 +257,9 @@ def full_available_size(state: SWAAllocatorState) -> int:
 
 
 def swa_available_size(state: SWAAllocatorState) -> int:
+    """Free SWA tokens: the paged SWA pool's, or in ring mode free request slots x ``swa_ring_cost``."""
+    if state.config.ring:
+        return len(state.req_slots) * state.config.swa_ring_cost
     return state.swa.available_size
 
 
@@ -282,13 +308,14 @@ def alloc(state: SWAAllocatorState, need_size: int, *, owner: Owner | None = Non
     if need_size % p:
         raise InvalidOperation(op, "need_size", f"{need_size} is not a multiple of page_size {p}")
     k = need_size // p
-    _check_capacity(state, op, k, k)
+    ring = state.config.ring  # ring mode: full pages only, no mapping ([Differs from SGLang 0.5.23]: F8)
+    _check_capacity(state, op, k, 0 if ring else k)
     who, next_owner = (owner, state.next_owner) if owner is not None else (state.next_owner, state.next_owner + 1)
     full, fpages = take_pages(state.full, [who] * k)
-    swa, spages = take_pages(state.swa, [who] * k)
+    swa, spages = (state.swa, ()) if ring else take_pages(state.swa, [who] * k)
     fslots = tuple(g * p + o for g in fpages for o in range(p))
     sslots = tuple(h * p + o for h in spages for o in range(p))
-    return _hand_out(state, full, swa, next_owner, fslots, sslots, fslots), fslots
+    return _hand_out(state, full, swa, next_owner, () if ring else fslots, sslots, fslots), fslots
 
 
 def alloc_extend(state: SWAAllocatorState, prefix_lens: Sequence[int], seq_lens: Sequence[int],
@@ -350,7 +377,7 @@ def leak_failed_alloc_decode(state: SWAAllocatorState, seq_lens: Sequence[int],
     full, swa = state.full, state.swa
     if k <= len(full.free_pages):
         full, _ = take_pages(full, [LEAKED] * k)
-    if k <= len(swa.free_pages):
+    if k <= len(swa.free_pages) and not state.config.ring:
         swa, _ = take_pages(swa, [LEAKED] * k)
     return _replace(state, full=full, swa=swa)
 
@@ -379,6 +406,11 @@ def alloc_extend_swa_tail(state: SWAAllocatorState, prefix_lens: Sequence[int], 
                                                    f"multiple of page_size {p} (U1)")
     (who,), next_owner = _resolve_owners(state, op, prefix_lens, last_loc, owners)
     kf, ks = num_new_pages(prefix_lens[0], s, p), ceil_div(swa_tail_len, p)
+    if state.config.ring:  # full KV only, the mapping stays unwritten (0.5.23's ring branch)
+        _check_capacity(state, op, kf, 0)
+        full, fpages = take_pages(state.full, [who] * kf)
+        fslots = tuple(_extend_slots(prefix_lens[0], s, last_loc[0], fpages, p))
+        return _hand_out(state, full, state.swa, next_owner, (), (), fslots), fslots
     _check_capacity(state, op, kf, ks)
     full, fpages = take_pages(state.full, [who] * kf)
     swa, spages = take_pages(state.swa, [who] * ks)
@@ -398,7 +430,7 @@ def free(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorSta
     SWA side is already released are accepted (their M is 0).
     """
     _check_release_args(state, "free", free_index)
-    return _release(state, free_index, swa=True, full=True)
+    return _release(state, free_index, swa=not state.config.ring, full=True)  # ring: the full side only
 
 
 def free_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocatorState:
@@ -408,6 +440,8 @@ def free_swa(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocato
     second call finds M == 0 and releases nothing.
     """
     _check_release_args(state, "free_swa", free_index)
+    if state.config.ring:  # the ring owns no paged SWA peer: nothing to release, nothing credited
+        return state
     return _release(state, free_index, swa=True, full=False)
 
 
@@ -429,7 +463,8 @@ def free_full(state: SWAAllocatorState, free_index: Sequence[int]) -> SWAAllocat
 def clear(state: SWAAllocatorState) -> SWAAllocatorState:
     """Back to the initial pools and mapping (keeps the sentinel); every KV row becomes undefined."""
     fresh = initial_state(state.config)
-    return _replace(fresh, epoch=state.epoch + 1, next_owner=state.next_owner)
+    # the request slots are ReqToTokenPool's: the allocator's clear leaves them
+    return _replace(fresh, epoch=state.epoch + 1, next_owner=state.next_owner, req_slots=state.req_slots)
 
 
 def backup_state(state: SWAAllocatorState) -> AllocatorBackup:
@@ -487,6 +522,50 @@ def set_full_to_swa_mapping(state: SWAAllocatorState, full_indices: Sequence[int
     except InvariantViolation as err:
         raise InvalidOperation(op, "swa_indices", f"the mapping would break {err}") from None
     return new
+
+
+# ---------------------------------------------------------------- request slots of the per-request SWA ring
+
+
+def alloc_req_slots(state: SWAAllocatorState, need_size: int) -> tuple[SWAAllocatorState, Slots]:
+    """Take ``need_size`` request slots, each with its SWA ring (0.5.23 ``ReqToTokenPool.alloc_rows``, what
+    ``alloc(reqs)`` does for new requests): the last ``need_size`` of the free-slot list, in its order. Ring mode
+    only; ``swa_available_size`` drops by ``need_size * swa_ring_cost``."""
+    op = "alloc_req_slots"
+    _require_ring(state, op)
+    if need_size < 0:
+        raise InvalidOperation(op, "need_size", f"must be >= 0, got {need_size}")
+    free = state.req_slots
+    if need_size > len(free):
+        raise OutOfMemory(op, "req_slots", need_size, len(free))
+    if need_size == 0:
+        return state, ()
+    taken = free[len(free) - need_size:]
+    return _replace(state, req_slots=free[:len(free) - need_size]), taken
+
+
+def free_req_slots(state: SWAAllocatorState, indices: Sequence[int]) -> SWAAllocatorState:
+    """Give request slots back, appended in the order given (0.5.23 ``ReqToTokenPool.free_rows``; ``free(req)`` for
+    one). Ring mode only; each slot must be held (upstream does not check: a double free would hand a ring out
+    twice)."""
+    op, n = "free_req_slots", state.config.num_req_slots or 0
+    _require_ring(state, op)
+    free, seen = set(state.req_slots), set()
+    for slot in indices:
+        if not 1 <= slot <= n:
+            raise InvalidOperation(op, "indices", f"request slot {slot} is outside [1, {n}]")
+        if slot in free or slot in seen:
+            raise InvalidOperation(op, "indices", f"request slot {slot} is not held (double free)")
+        seen.add(slot)
+    if not indices:
+        return state
+    return _replace(state, req_slots=state.req_slots + tuple(indices))
+
+
+def _require_ring(state: SWAAllocatorState, op: str) -> None:
+    if not state.config.ring:
+        raise InvalidOperation(op, "state", "the allocator has no per-request SWA ring (PoolConfig.swa_ring_size is "
+                                            "None): request slots are not its to count")
 
 
 # ---------------------------------------------------------------- KV rows and CPU copies
@@ -663,6 +742,8 @@ def _check_extend_args(state: SWAAllocatorState, op: str, prefix_lens: Sequence[
 def _check_swa_continuation(state: SWAAllocatorState, op: str, prefix_lens: Sequence[int],
                             seq_lens: Sequence[int], last_loc: Sequence[int]) -> None:
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
+    if state.config.ring:  # no SWA page to continue: the ring is the request slot's
+        return
     for pre, seq, loc in zip(prefix_lens, seq_lens, last_loc, strict=True):
         # M5: a 1:1 extend that continues a page continues its SWA page too
         if pre % p and seq > pre and not mapping[loc] > 0:
@@ -713,8 +794,17 @@ def _extend_one_to_one(state: SWAAllocatorState, op: str, prefix_lens: Sequence[
     """The shared body of ``alloc_extend`` / ``alloc_decode`` after validation."""
     p, mapping = state.config.page_size, state.full_to_swa_index_mapping
     counts = [num_new_pages(pre, seq, p) for pre, seq in zip(prefix_lens, seq_lens, strict=True)]
-    _check_capacity(state, op, sum(counts), sum(counts))
     page_owners = [who for who, c in zip(owners, counts, strict=True) for _ in range(c)]
+    if state.config.ring:  # full pages only, the mapping stays unwritten (0.5.23's ring branch)
+        _check_capacity(state, op, sum(counts), 0)
+        full, fpages = take_pages(state.full, page_owners)
+        ring_slots: list[int] = []
+        start = 0
+        for pre, seq, loc, c in zip(prefix_lens, seq_lens, last_loc, counts, strict=True):
+            ring_slots += _extend_slots(pre, seq, loc, fpages[start:start + c], p)
+            start += c
+        return _hand_out(state, full, state.swa, next_owner, (), (), tuple(ring_slots)), tuple(ring_slots)
+    _check_capacity(state, op, sum(counts), sum(counts))
     full, fpages = take_pages(state.full, page_owners)
     swa, spages = take_pages(state.swa, page_owners)
     fslots: list[int] = []
@@ -857,12 +947,12 @@ def free_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos:
     """Release ``kv_row[start_pos : start_pos + n]`` of one request, both sides (0.5.23 ``free_segment``): the SWA
     pages of the segment's pages (every one must still have its SWA peer), then its full pages, each pool's pages in
     the segment's order (one representative slot per page, no sort)."""
-    return _segment(state, "free_segment", free_index, start_pos, swa=True, full=True)
+    return _segment(state, "free_segment", free_index, start_pos, swa=not state.config.ring, full=True)
 
 
 def free_swa_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos: int) -> SWAAllocatorState:
     """The SWA side of :func:`free_segment` alone (window eviction of a kv-row segment); the full slots stay."""
-    return _segment(state, "free_swa_segment", free_index, start_pos, swa=True, full=False)
+    return _segment(state, "free_swa_segment", free_index, start_pos, swa=not state.config.ring, full=False)
 
 
 def free_full_segment(state: SWAAllocatorState, free_index: Sequence[int], start_pos: int) -> SWAAllocatorState:
@@ -897,6 +987,8 @@ def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start
             raise InvalidOperation(op, "free_index", f"not a kv-row segment from a page boundary: position "
                                                      f"{start_pos + k} is at slot {f}")
     reps = list(free_index[::p])
+    if not (swa or full):  # ring mode's free_swa_segment: validated, releases nothing
+        return state
     if swa:
         for r in reps:
             if mapping[r] <= 0:

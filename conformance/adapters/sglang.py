@@ -36,6 +36,12 @@ the engine hooks ``forward`` (translate once, every layer's ``set_kv_buffer``) a
 ``capture`` / ``replay`` are not (no CUDA graphs on CPU). Findings and their
 classification: ``docs/sglang-findings.md`` and :mod:`.sglang_findings`.
 
+Ring configs (``PoolConfig.swa_ring_size``): the adapter sets ``swa_req_ring_size`` on the real ``SWAKVPool``
+instance before it builds the allocator, as DeepSeek-V4's pool sets its field (the only 0.5.23 pool that does), and
+passes a real ``ReqToTokenPool`` of ``num_req_slots`` rows: the allocator's own ring branches run (ring cost, the
+slot-counted ``swa_available_size``, full-only allocations, the no-op SWA releases). ``alloc_req_slots`` /
+``free_req_slots`` are that pool's ``alloc_rows`` / ``free_rows``.
+
 Importing this module never imports SGLang. The first construction does (6-9 s, once per
 process): it installs kvproof's ``triton`` / ``torchvision`` stand-ins
 (``_stubs/``) for whichever of the two is not importable, logs which, and imports the
@@ -122,6 +128,7 @@ class SGLangModules:
     SWAKVPool: type
     SWATokenToKVPoolAllocator: type
     KVWriteLoc: type
+    ReqToTokenPool: type  # mem_cache.memory_pool.ReqToTokenPool (the ring's request slots)
     free_kv_row_segments: Any  # mem_cache.common.free_kv_row_segments (the engine's kv-row release)
 
 
@@ -173,7 +180,8 @@ def load_sglang() -> SGLangModules:
         memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
         common = importlib.import_module("sglang.srt.mem_cache.common")
     _LOADED = SGLangModules(installed, stubs, time.perf_counter() - start, swa_pool.SWAKVPool,
-                            swa_alloc.SWATokenToKVPoolAllocator, memory_pool.KVWriteLoc, common.free_kv_row_segments)
+                            swa_alloc.SWATokenToKVPoolAllocator, memory_pool.KVWriteLoc, memory_pool.ReqToTokenPool,
+                            common.free_kv_row_segments)
     logger.info("kvproof: imported SGLang %s in %.1fs (stubs: %s)", installed, _LOADED.import_seconds,
                 ", ".join(stubs) or "none")
     return _LOADED
@@ -236,9 +244,15 @@ class SGLangSWAAllocator:
             head_num=geo.head_num, head_dim=geo.head_dim,
             swa_attention_layer_ids=list(geo.swa_attention_layer_ids),
             full_attention_layer_ids=list(geo.full_attention_layer_ids), device=device)
+        self.req_to_token_pool: Any = None
+        if config.swa_ring_size is not None:  # ring mode, as DeepSeek-V4's pool sets it (on the instance)
+            self.kvcache.swa_req_ring_size = config.swa_ring_size
+            self.req_to_token_pool = self.sglang.ReqToTokenPool(
+                size=config.num_req_slots, max_context_len=config.size_full + config.page_size, device=device,
+                enable_memory_saver=False)
         self.allocator = self.sglang.SWATokenToKVPoolAllocator(
             config.size_full, config.size_swa, config.page_size, _DTYPES[geo.dtype], device, self.kvcache,
-            need_sort=self.need_sort)
+            need_sort=self.need_sort, req_to_token_pool=self.req_to_token_pool)
         self._kv = SGLangKVPool(self)
         self._graph: tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None
 
@@ -297,6 +311,22 @@ class SGLangSWAAllocator:
                                                    extend_num_tokens, swa_tail_len)
         full = self._new_pages(seq_lens_cpu, prefix_lens_cpu) if out is None else 0
         return self._result("alloc_extend_swa_tail", out, before, full, -(-swa_tail_len // self.page_size))
+
+    # ------------------------------------------------------------ the ring's request slots (ReqToTokenPool)
+
+    def alloc_req_slots(self, need_size: int) -> list[int]:
+        pool = self.req_to_token_pool
+        if pool is None:
+            raise UsageError("alloc_req_slots: not a ring config (PoolConfig.swa_ring_size is None)")
+        got = pool.alloc_rows(need_size)
+        if got is None:
+            raise OutOfMemory("alloc_req_slots", "req_slots", need_size, int(pool.available_size()))
+        return [int(x) for x in got]
+
+    def free_req_slots(self, indices: list[int]) -> None:
+        if self.req_to_token_pool is None:
+            raise UsageError("free_req_slots: not a ring config (PoolConfig.swa_ring_size is None)")
+        self.req_to_token_pool.free_rows(list(indices))
 
     # ------------------------------------------------------------ release and the rest: straight through
 

@@ -30,6 +30,7 @@ __all__ = [
     "reproduce_alloc_decode_leak_mirror",
     "reproduce_host_backup_not_atomic",
     "reproduce_p1_free_released_swa",
+    "reproduce_ring_alloc_drains_paged_swa",
     "reproduce_window_tombstone_starves",
 ]
 
@@ -86,6 +87,33 @@ def reproduce_p1_free_released_swa() -> dict[str, Any]:
     req_c = b.alloc(7)  # takes every free SWA slot, slot 0 last
     return {"swa_free_pages": swa_free, "swa_available": b.swa_available_size(), "size_swa": b.size_swa,
             "c_swa_slots": [int(x) for x in b.translate_loc_from_full_to_swa(req_c).tolist()]}
+
+
+def reproduce_ring_alloc_drains_paged_swa(requests: int = 3) -> dict[str, Any]:
+    """F8: a per-request SWA ring at P == 1 (``swa_req_ring_size`` set on the pool instance, as DeepSeek-V4's pool
+    sets it, and a real ``ReqToTokenPool``): requests of 2 tokens in turn, each freed whole; ``alloc`` maps them to
+    paged SWA slots that no ``free`` gives back, until it returns None with ``available_size()`` > 0."""
+    from kvproof.conformance.adapters.sglang import load_sglang
+
+    sg = load_sglang()
+    pool = sg.SWAKVPool(size=12, size_swa=4, page_size=1, dtype=torch.float32, head_num=1, head_dim=2,
+                        swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    pool.swa_req_ring_size = 4
+    slots = sg.ReqToTokenPool(size=3, max_context_len=16, device="cpu", enable_memory_saver=False)
+    a = sg.SWATokenToKVPoolAllocator(12, 4, 1, torch.float32, "cpu", pool, need_sort=False, req_to_token_pool=slots)
+    mapped: list[list[int]] = []
+    refused: list[int] = []
+    for _ in range(requests):
+        req = a.alloc(2)
+        if req is None:
+            refused.append(int(a.available_size()))
+            continue
+        mapped.append(a.translate_loc_from_full_to_swa(req).tolist())
+        a.free(req)
+    return {"ring": bool(a.swa_req_ring), "swa_available_size": int(a.swa_available_size()),
+            "mapped": mapped, "refused_with_available": refused,
+            "paged_swa_free": int(a.swa_attn_allocator.available_size()),
+            "mapping_entries_left": int((a.full_to_swa_index_mapping[1:13] != 0).sum())}
 
 
 def _sglang_host_pool(num_pages: int, page_size: int) -> Any:

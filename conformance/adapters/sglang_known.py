@@ -31,6 +31,11 @@ def _slot_zero_freed(e: Evidence) -> bool:
         or (e.check == "crash" and d.get("implementation") == "AssertionError"))
 
 
+def _ring_alloc_takes_swa(e: Evidence) -> bool:
+    """On a ring config, ``alloc`` left the (unused) paged SWA pool or the mapping unlike the ring's reference."""
+    return e.op == "alloc" and e.check == "state" and bool(e.detail.get("ring"))
+
+
 def _backup_not_atomic(e: Evidence) -> bool:
     """A failed eager backup that kept what it took, or a short backup batch."""
     return e.op == "eager_backup_previous_token" and e.check in ("unchanged_on_failure", "result")
@@ -48,6 +53,11 @@ FINDINGS: tuple[Finding, ...] = (
             "sglang-hazard", _SWA, _alloc_decode_kept_pages, behaviour="non-atomic alloc_decode"),
     # ^ reclassified from sglang-bug: 0.5.23's only caller (alloc_for_decode) is guarded exactly, in pages, on both
     #   pools (ScheduleBatch.check_decode_mem), and a None there is a fatal RuntimeError (docs/sglang-findings.md)
+    Finding("F8", "per-request SWA ring (P == 1): alloc has no ring branch: it takes paged SWA slots and writes the "
+                  "mapping, which the ring's free never clears nor gives back; the unused paged SWA pool drains and "
+                  "alloc then returns None while available_size() (full only) has room. 0.5.23 builds a ring only "
+                  "for DeepSeek-V4, at page size 256 (NPU: 128), where alloc asserts page_size == 1: no caller "
+                  "reaches it", "sglang-hazard", ("swa_allocator",), _ring_alloc_takes_swa),
     Finding("F2", "P == 1: free / free_swa of a full slot whose SWA peer is already released puts the reserved "
                   "SWA slot 0 into the free list (the segment calls do it at every P); SGLang's own swa.peer_mapped "
                   "check names it caller misuse and no 0.5.23 caller commits it", "model-gap", _SWA, _slot_zero_freed),

@@ -298,6 +298,43 @@ class SegmentPeerUnchecked(SWATokenToKVPoolAllocator):
         pass
 
 
+class RingAvailableTakesMin(SWATokenToKVPoolAllocator):
+    """Ring mode: ``available_size`` still takes ``min(full, swa)`` (the paged path's), so the request slots' ring
+    capacity limits token growth, which 0.5.23's ring branch rules out ("the SWA ring ... never constrains token
+    growth"; SR1, docs/sglang-findings.md "The per-request SWA ring").
+    Differs: P=2, 24 full tokens, ring 3 x 4 slots (cost 4): right after construction ``available_size()`` is 16,
+    not 24.
+    """
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+
+class RingExtendGatedBySwaPool(SWATokenToKVPoolAllocator):
+    """Ring mode: an allocation also needs the (unused) paged SWA pool to have its pages, as
+    ``new_pages_available`` without its ring branch would: a request the full pool fits is refused (SR1, SR3; G4's
+    outcome side).
+    Differs: P=2, 24 full / 4 SWA tokens, ring 3 x 4 slots: ``alloc_extend`` 0 -> 6 raises OutOfMemory(swa) here.
+    """
+
+    def _check_capacity(self, op: str, full_pages: int, swa_pages: int) -> None:
+        super()._check_capacity(op, full_pages, full_pages if self._ring else swa_pages)
+
+
+class RingAllocTakesSwa(SWATokenToKVPoolAllocator):
+    """Ring mode: ``alloc`` takes paged SWA pages and writes M as the paged path does (SGLang 0.5.23's ``alloc`` has
+    no ring branch: finding F8), and the ring's ``free`` never gives them back nor clears M (SR3, M3, G3).
+    Differs: P=2, 24 full / 12 SWA tokens, ring 3 x 4 slots: ``alloc(2)`` leaves SWA page 1 taken and M[2..3] = [2, 3].
+    """
+
+    def alloc(self, need_size: int) -> Tensor:
+        ring, self._ring = self._ring, False
+        try:
+            return super().alloc(need_size)
+        finally:
+            self._ring = ring
+
+
 MUTANTS: dict[str, Callable[[PoolConfig], SWATokenToKVPoolAllocator]] = {
     "leak_on_failed_alloc": LeakOnFailedAlloc,
     "wrong_page_rounding": WrongPageRounding,
@@ -318,4 +355,7 @@ MUTANTS: dict[str, Callable[[PoolConfig], SWATokenToKVPoolAllocator]] = {
     "group_mapping_kept_to_end": GroupMappingKeptToEnd,
     "segment_sorts_pages": SegmentSortsPages,
     "segment_peer_unchecked": SegmentPeerUnchecked,
+    "ring_available_takes_min": RingAvailableTakesMin,
+    "ring_extend_gated_by_swa_pool": RingExtendGatedBySwaPool,
+    "ring_alloc_takes_swa": RingAllocTakesSwa,
 }

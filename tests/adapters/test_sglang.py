@@ -19,7 +19,7 @@ from hypothesis import settings
 from kvproof.conformance.adapters import install_sglang, sglang_findings
 from kvproof.conformance.adapters import sglang as adapter
 from kvproof.conformance.check import run_check
-from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS, RING_CONFIGS, RING_P1_CONFIG
 from kvproof.conformance.errors import UsageError
 from kvproof.conformance.profiles import get_profile
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
@@ -443,3 +443,53 @@ def test_the_decode_queues_budget_functions_agree_with_the_reference_in_lockstep
                            accept=("F1",))
         assert not broken.passed and broken.evidence is not None and broken.evidence["check"] == "budget", \
             broken.failure
+
+
+# ---- the per-request SWA ring (issue 15 item 2: DeepSeek-V4's swa_req_ring_size on the real allocator)
+
+
+@needs_sglang
+@pytest.mark.parametrize("config", RING_CONFIGS, ids=lambda c: c.label())
+def test_the_real_ring_is_built_and_conforms(sglang_modules, config) -> None:
+    """The adapter builds 0.5.23's allocator in ring mode (the field set on the pool instance, a real
+    ``ReqToTokenPool``) and the suite finds no divergence on the ring configs (``ci``, derandomized)."""
+    impl = adapter.SGLangSWAAllocator(config)
+    a = impl.allocator
+    assert a.swa_req_ring and a.swa_ring_cost_tokens == config.swa_ring_cost
+    assert impl.swa_available_size() == (config.num_req_slots or 0) * config.swa_ring_cost
+    assert impl.available_size() == config.size_full  # SR1: full only
+    report = run_check("swa_allocator", adapter.SGLangSWAAllocator, config, profile="ci", failures_dir=None)
+    assert report.passed, report.failure
+    assert report.steps > 1000 and report.calls["alloc_req_slots"] and report.calls["free_req_slots"]
+    assert report.outcomes["OutOfMemory"]  # request slots (or full pages) ran out, on both sides alike
+    # nothing to re-map on a ring (SGLang rejects no misuse, so the remap is never staged)
+    assert set(report.never_run) <= {"set_full_to_swa_mapping"}, report.never_run
+
+
+@needs_sglang
+def test_f8_the_ring_less_alloc_is_caught_and_labelled(sglang_modules) -> None:
+    """F8: on a ring at P == 1 the suite stops at the first ``alloc``: SGLang took a paged SWA slot."""
+    one_bug = settings(get_profile("ci"), report_multiple_bugs=False)
+    report = run_check("swa_allocator", adapter.SGLangSWAAllocator, RING_P1_CONFIG, settings=one_bug,
+                       failures_dir=None)
+    assert not report.passed
+    assert report.finding == "F8" and sglang_findings.classify(report.evidence).id == "F8", report.failure[:3000]
+    assert report.evidence["op"] == "alloc" and report.evidence["detail"]["ring"]
+
+
+@needs_sglang
+def test_f8_reproduction(sglang_modules) -> None:
+    from kvproof.reference import swa_allocator as ref
+
+    seen = sglang_findings.reproduce_ring_alloc_drains_paged_swa()
+    assert seen["ring"] and seen["swa_available_size"] == 12  # 3 slots x ring 4: the ring's own accounting
+    assert seen["mapped"] == [[1, 2], [3, 4]], "0.5.23's alloc no longer maps paged SWA slots on a ring: update F8"
+    assert seen["refused_with_available"] == [12] and seen["paged_swa_free"] == 0
+    assert seen["mapping_entries_left"] == 4  # free never cleared them
+    # kvproof's reference: the ring's alloc takes full pages only, so the same calls all succeed
+    s = ref.initial_state(RING_P1_CONFIG)
+    for _ in range(3):
+        s, slots = ref.alloc(s, 2)
+        assert ref.translate_loc_from_full_to_swa(s, slots) == (0, 0)
+        s = ref.free(s, slots)
+    assert ref.available_size(s) == RING_P1_CONFIG.size_full and not any(s.full_to_swa_index_mapping[:-1])

@@ -76,6 +76,12 @@ def cfg(p: int, full: int, swa: int) -> PoolConfig:
     return PoolConfig(size_full=full, size_swa=swa, page_size=p, sliding_window_size=4)
 
 
+def ring(p: int, full: int, swa: int) -> PoolConfig:
+    """A ring config: ring of 3 tokens, 4 request slots (0.5.23's per-request SWA ring)."""
+    return PoolConfig(size_full=full, size_swa=swa, page_size=p, sliding_window_size=4, swa_ring_size=3,
+                      num_req_slots=4)
+
+
 S4 = [lambda a, m: a.alloc(8), tail(6, 4), set_kv(0, list(range(9, 15))), copy_of(list(range(9, 15))),
       call("free", list(range(9, 15))), lambda a, m: a.alloc(8), tail(6, 2), load_into(list(range(23, 29)))]
 
@@ -105,6 +111,9 @@ SCRIPTS: dict[str, tuple[PoolConfig, list[Step]]] = {
                                              segment("free_segment", [12, 13, 14, 15, 4, 5, 6, 7], 0)]),
     "segment_peer_unchecked": (cfg(4, 32, 32), [ext(0, 4, -1), call("free_swa", [4, 5, 6, 7]),
                                                 segment("free_segment", [4, 5, 6, 7], 0)]),
+    "ring_available_takes_min": (ring(2, 24, 12), [lambda a, m: a.alloc_req_slots(1)]),
+    "ring_extend_gated_by_swa_pool": (ring(2, 24, 4), [ext(0, 6, -1)]),
+    "ring_alloc_takes_swa": (ring(2, 24, 12), [lambda a, m: a.alloc(2)]),
 }
 
 
@@ -120,7 +129,8 @@ def trace(factory: Callable[[PoolConfig], SWATokenToKVPoolAllocator], config: Po
         except Exception as e:  # noqa: BLE001 -- a mutant may crash where the runtime raises or succeeds
             outcome = ("raised", type(e).__name__, getattr(e, "op", None), getattr(e, "argument", None))
         kv = a.get_kvcache()
-        out.append((outcome, a.snapshot(), kv.full_kv.cpu().tolist(), kv.swa_kv.cpu().tolist()))
+        sizes = (a.available_size(), a.full_available_size(), a.swa_available_size())
+        out.append((outcome, a.snapshot(), sizes, kv.full_kv.cpu().tolist(), kv.swa_kv.cpu().tolist()))
     return out
 
 
@@ -140,5 +150,5 @@ def test_mutant_differs_from_runtime(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_documents_its_bug(name: str) -> None:
     doc = MUTANTS[name].__doc__ or ""
-    assert re.search(r"\b(G[1-5]|M[1-5]|D3)\b|EXACT_PAGE_ORDER", doc), f"{name} docstring names no invariant"
+    assert re.search(r"\b(G[1-5]|M[1-5]|D3|SR[1-3])\b|EXACT_PAGE_ORDER", doc), f"{name} docstring names no invariant"
     assert "Differs:" in doc, f"{name} docstring gives no differing op sequence"

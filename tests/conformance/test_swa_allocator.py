@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from kvproof.conformance.check import check_swa_allocator, kill_mutants, run_swa_allocator_check
-from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+from kvproof.conformance.check import check_swa_allocator, get_suite, kill_mutants, run_swa_allocator_check
+from kvproof.conformance.configs import CONFORMANCE_CONFIGS, RING_CONFIGS, RING_P1_CONFIG
 from kvproof.conformance.mutants.swa_allocator import MUTANTS
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
@@ -20,14 +20,26 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="no CUDA device on this machine"))]
 
 
+#: every config of the suite (the ring configs last), and the P == 1 ring 0.5.23 never builds (F8's shape)
+CONFIGS = (*get_suite("swa_allocator").configs, RING_P1_CONFIG)
+
+
+def test_the_suite_runs_the_ring_configs() -> None:
+    assert get_suite("swa_allocator").configs == CONFORMANCE_CONFIGS + RING_CONFIGS
+    assert all(c.ring and c.page_size > 1 for c in RING_CONFIGS) and RING_P1_CONFIG.ring
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=[c.label() for c in CONFORMANCE_CONFIGS])
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.label() for c in CONFIGS])
 def test_runtime_conforms(config, device: str) -> None:
     report = check_swa_allocator(lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config,
                                  profile="ci", impl_name=f"runtime[{device}]")
     assert report.not_applicable == ()
     assert report.never_run == (), f"rules never executed: {report.never_run}"
     assert report.steps > 1000
+    if config.ring:  # the harness played ReqToTokenPool: slots taken, given back, and once refused
+        assert report.calls["alloc_req_slots"] and report.calls["free_req_slots"], report.calls
+        assert report.outcomes["OutOfMemory"]
 
 
 def test_runtime_declares_everything_and_meets_the_protocol() -> None:
@@ -38,13 +50,22 @@ def test_runtime_declares_everything_and_meets_the_protocol() -> None:
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_killed(name: str) -> None:
-    (verdict,) = kill_mutants({name: MUTANTS[name]}, CONFORMANCE_CONFIGS, profile="ci")
+    (verdict,) = kill_mutants({name: MUTANTS[name]}, get_suite("swa_allocator").configs, profile="ci")
     assert verdict.killed, f"mutant {name} survived the ci profile on every config"
     assert "HarnessError" not in verdict.evidence, verdict.evidence
 
 
 def test_at_least_ten_mutants() -> None:
     assert len(MUTANTS) >= 10
+
+
+@pytest.mark.parametrize("name", ["ring_available_takes_min", "ring_extend_gated_by_swa_pool", "ring_alloc_takes_swa"])
+def test_ring_mutant_survives_the_paged_configs_and_dies_on_a_ring(name: str) -> None:
+    """The ring mutants break only ring mode: the paged configs cannot see them, a ring config kills them."""
+    (paged,) = kill_mutants({name: MUTANTS[name]}, CONFORMANCE_CONFIGS[1:3], profile="dev")
+    assert not paged.killed, paged.evidence
+    (ring,) = kill_mutants({name: MUTANTS[name]}, RING_CONFIGS, profile="ci")
+    assert ring.killed and "HarnessError" not in ring.evidence
 
 
 def _trace(failure: str) -> list[str]:

@@ -327,3 +327,74 @@ def test_translate_keeps_shape_and_set_mapping_validates(device: str) -> None:
         with pytest.raises(InvalidOperation) as e:
             a.set_full_to_swa_mapping(t(full, d), t(swa, d))
         assert (e.value.op, e.value.argument) == ("set_full_to_swa_mapping", argument)
+
+
+# ---- ring mode: 0.5.23's per-request SWA ring, vector by vector against the reference (SR1-SR3)
+
+RING = PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3, swa_ring_size=3, num_req_slots=4)
+
+
+def _sizes(a: SWATokenToKVPoolAllocator) -> tuple[int, int, int]:
+    return a.available_size(), a.full_available_size(), a.swa_available_size()
+
+
+def _ref_sizes(st: sa.SWAAllocatorState) -> tuple[int, int, int]:
+    return sa.available_size(st), sa.full_available_size(st), sa.swa_available_size(st)
+
+
+def test_ring_mode_matches_the_reference(device: str) -> None:
+    a, st = SWATokenToKVPoolAllocator(RING, device=device), sa.initial_state(RING)
+    assert _sizes(a) == _ref_sizes(st) == (24, 24, 16)
+    got, (st, want) = a.alloc_req_slots(2), sa.alloc_req_slots(st, 2)
+    assert got == list(want) == [3, 4] and _sizes(a) == _ref_sizes(st) == (24, 24, 8)
+    first = extend(a, [0], [5], [-1])
+    st, ref_first = sa.alloc_extend(st, [0], [5], [-1], 5)
+    assert first == list(ref_first)
+    cpu = torch.device("cpu")
+    d = a.alloc_decode(t([6], a.device), t([6], cpu), t([first[-1]], a.device)).tolist()
+    st, ref_d = sa.alloc_decode(st, [6], [first[-1]])
+    tail = a.alloc_extend_swa_tail(t([0], a.device), t([0], cpu), t([4], a.device), t([4], cpu), t([-1], a.device),
+                                   4, 2).tolist()
+    st, ref_tail = sa.alloc_extend_swa_tail(st, [0], [4], [-1], 4, 2)
+    bulk = a.alloc(4).tolist()
+    st, ref_bulk = sa.alloc(st, 4)
+    assert (d, tail, bulk) == (list(ref_d), list(ref_tail), list(ref_bulk))
+    assert a.snapshot() == sa.snapshot(st) and _sizes(a) == _ref_sizes(st) == (10, 10, 8)
+    assert not bool(a.full_to_swa_index_mapping[:-1].any())  # SR3: M never written
+    a.free_swa(t(first, a.device))  # validated, releases nothing
+    a.free_swa_segment(t(first[:2], a.device), start_pos=0)
+    st = sa.free_swa_segment(sa.free_swa(st, first), first[:2], 0)
+    assert a.snapshot() == sa.snapshot(st)
+    a.free_segment(t(first[:4], a.device), start_pos=0)
+    a.free(t(first[4:] + d, a.device))
+    st = sa.free(sa.free_segment(st, first[:4], 0), [*first[4:], *d])
+    a.free_req_slots([4])
+    st = sa.free_req_slots(st, [4])
+    assert a.snapshot() == sa.snapshot(st) and _sizes(a) == _ref_sizes(st) == (16, 16, 12)
+    a.clear()
+    st = sa.clear(st)
+    assert a.snapshot() == sa.snapshot(st) and _sizes(a) == _ref_sizes(st) == (24, 24, 12)  # slots stay held
+    a.check_invariants()
+
+
+def test_ring_mode_rejects_what_the_reference_rejects(device: str) -> None:
+    a, st = SWATokenToKVPoolAllocator(RING, device=device), sa.initial_state(RING)
+    cases: list[tuple[Callable[[], Any], Callable[[], Any]]] = [
+        (lambda: a.alloc_req_slots(5), lambda: sa.alloc_req_slots(st, 5)),
+        (lambda: a.alloc_req_slots(-1), lambda: sa.alloc_req_slots(st, -1)),
+        (lambda: a.free_req_slots([1]), lambda: sa.free_req_slots(st, [1])),
+        (lambda: a.free_req_slots([9]), lambda: sa.free_req_slots(st, [9])),
+        (lambda: a.free_swa(t([4], a.device)), lambda: sa.free_swa(st, [4])),
+        (lambda: extend(a, [0], [26], [-1]), lambda: sa.alloc_extend(st, [0], [26], [-1], 26)),
+    ]
+    for mine, theirs in cases:
+        with pytest.raises(PoolError) as got:
+            mine()
+        with pytest.raises(PoolError) as want:
+            theirs()
+        assert (type(got.value), getattr(got.value, "argument", None)) == (type(want.value),
+                                                                           getattr(want.value, "argument", None))
+    assert a.snapshot() == sa.snapshot(st) and _sizes(a) == _ref_sizes(st)
+    plain = SWATokenToKVPoolAllocator(P4, device=device)
+    with pytest.raises(InvalidOperation, match="no per-request SWA ring"):
+        plain.alloc_req_slots(1)

@@ -13,7 +13,11 @@ docs/contract.md and sglang_semantics.md, to check that kvproof's suites accept 
   live slots of every full page it touches and zeroes ``M`` on those whole pages (§1.5,
   §1.6 window eviction); ``free_full`` releases full pages whose SWA side is gone;
 * ``backup_state``/``restore_state`` restore the free lists only, never ``M`` (§1.5, §2.11 R3);
-* KV rows per layer (SWA layers indexed by SWA slot), CPU copies with ``swa_mask`` (§2.8).
+* KV rows per layer (SWA layers indexed by SWA slot), CPU copies with ``swa_mask`` (§2.8);
+* ring configs (``PoolConfig.swa_ring_size``, 0.5.23's per-request SWA ring): allocations take full pages only and
+  never map, ``free_swa`` releases nothing, ``available_size`` is the full pool's, ``swa_available_size`` free request
+  slots x ``ceil(ring / P) * P``; request slots are handed out from the front of their own free list (any order is
+  legal: the harness pairs them).
 
 Page reuse is the policy parameter: :func:`fifo` (freed pages go to the back of the free
 list, like SGLang's token allocator, §1.2), :func:`lifo` (freed pages are reused first, like
@@ -139,6 +143,8 @@ class LegalSWAAllocator:
         self.version = f"legal-{policy.value}"
         self._seed = seed
         self._kv = LegalKVPool(self)
+        self.ring = config.swa_ring_size is not None
+        self.req_free: list[int] = list(range(1, (config.num_req_slots or 0) + 1))  # kept by clear()
         self.clear()
 
     # ------------------------------------------------------------ state
@@ -162,13 +168,27 @@ class LegalSWAAllocator:
                                  full_to_swa_index_mapping=tuple(self.mapping))
 
     def available_size(self) -> int:
+        if self.ring:  # the ring never limits token growth
+            return self.full_available_size()
         return min(self.full_available_size(), self.swa_available_size())
 
     def full_available_size(self) -> int:
         return len(self.full.free) * self.p
 
     def swa_available_size(self) -> int:
+        if self.ring:
+            ring = self.config.swa_ring_size or 0
+            return len(self.req_free) * (-(-ring // self.p) * self.p)
         return len(self.swa.free) * self.p
+
+    def alloc_req_slots(self, need_size: int) -> list[int]:
+        if need_size > len(self.req_free):
+            raise OutOfMemory("alloc_req_slots", "req_slots", need_size, len(self.req_free))
+        taken, self.req_free = self.req_free[:need_size], self.req_free[need_size:]
+        return taken
+
+    def free_req_slots(self, indices: list[int]) -> None:
+        self.req_free.extend(indices)
 
     def get_kvcache(self) -> LegalKVPool:
         return self._kv
@@ -180,6 +200,7 @@ class LegalSWAAllocator:
     # ------------------------------------------------------------ allocation (§1.3, §1.5, §2.7)
 
     def _need(self, op: str, full_pages: int, swa_pages: int) -> None:
+        swa_pages = 0 if self.ring else swa_pages  # a ring takes no SWA page
         if full_pages > len(self.full.free):
             raise OutOfMemory(op, "full", full_pages, len(self.full.free))
         if swa_pages > len(self.swa.free):
@@ -205,7 +226,7 @@ class LegalSWAAllocator:
         k = need_size // self.p
         self._need("alloc", k, k)
         full = self._slots(0, need_size, -1, self.full.take(k))
-        swa = self._slots(0, need_size, -1, self.swa.take(k))
+        swa = None if self.ring else self._slots(0, need_size, -1, self.swa.take(k))
         self._hand_out(full, swa)
         return _tensor(full)
 
@@ -218,7 +239,7 @@ class LegalSWAAllocator:
         for pre, s, last, k in zip(prefix_lens, seq_lens, last_loc, counts, strict=True):
             full = self._slots(pre, s, last, self.full.take(k))
             swa_last = self.mapping[last] if pre % p else -1  # the SWA side continues M[last_loc] (M5)
-            swa = self._slots(pre, s, swa_last, self.swa.take(k))
+            swa = None if self.ring else self._slots(pre, s, swa_last, self.swa.take(k))
             self._hand_out(full, swa)
             out += full
         return _tensor(out)
@@ -240,6 +261,9 @@ class LegalSWAAllocator:
         kf, ks = -(-s // p) - -(-pre // p), -(-swa_tail_len // p)
         self._need("alloc_extend_swa_tail", kf, ks)
         full = self._slots(pre, s, last, self.full.take(kf))
+        if self.ring:  # full KV only
+            self._hand_out(full, None)
+            return _tensor(full)
         swa = self._slots(0, swa_tail_len, -1, self.swa.take(ks))
         head = len(full) - swa_tail_len
         self._hand_out(full[:head], None)  # post-#25805: no stale mapping on the non-tail slots
@@ -254,6 +278,8 @@ class LegalSWAAllocator:
     def free_swa(self, free_index: torch.Tensor) -> None:
         """SWA pages of the live slots of every touched full page back; ``M`` of those pages zeroed."""
         p, released = self.p, []
+        if self.ring:  # the ring owns no paged SWA peer
+            return
         for g in self._touched(free_index):
             for f in range(g * p, g * p + self.fill[g]):
                 s = self.mapping[f]

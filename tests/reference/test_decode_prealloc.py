@@ -111,3 +111,33 @@ def test_retract_and_resume_keep_the_window() -> None:
         k, v = dp.token_row(1, j, 0, pool.kv.row_width)  # layer 0 is the SWA layer
         assert sa.kv_rows(again.allocator, 0, [m[res.slots[j]]]) == (tuple(k + v),)
     dp.check_node(again.node, again.allocator)
+
+
+def test_the_swa_reclaim_and_the_resume_budgets_without_the_can_finish_room() -> None:
+    """``reclaim_swa_tail``: the page-rounded tail against the free SWA tokens (nothing evictable), asked on admission
+    in tail mode only, never on resume; ``reserve_finish=False`` (SGLang's resume round, model gap M1) drops exactly
+    the can-finish room from both budgets."""
+    pool = PoolConfig(size_full=4 * 16, size_swa=4 * 4, page_size=4, sliding_window_size=5)
+    node = dp.initial_node(dp.DecodeConfig(reserved_decode_tokens=0, policy=dp.PreallocPolicy.CORRECTED,
+                                           write_kv=False))
+    node = dp.arrive(dp.arrive(node, 1, 3, 1, 10), 2, 11, 1, 2)
+    first = dp.pop_preallocated(node.model_copy(update={"queue": node.queue[:1]}), sa.initial_state(pool))
+    assert first.rids == (1,)
+    state, node = first.allocator, first.node.model_copy(update={"queue": node.queue[1:]})
+    (queued,) = node.queue
+    assert dp.admission_reclaims_swa(node, state) and not dp.resume_reclaims_swa(node, state)
+    # request 2: A = 11, tail = 5 + (11 - 5) % 4 = 7, page-rounded 8; request 1 holds one SWA page of four
+    ready = dp.reclaim_swa_tail(node, state, queued)
+    assert ready == dp.SWAReclaim(needed=8, available=12) and ready.ready
+    fuller, _ = sa.alloc_extend_swa_tail(state, [0], [8], [-1], 8, 8)  # two more SWA pages taken
+    short = dp.reclaim_swa_tail(node, fuller, queued)
+    assert short == dp.SWAReclaim(needed=8, available=4) and not short.ready
+    # request 1 running: need = 10 + 3 - 4 = 9 (full), need_swa = 3 + 10 - 4 = 9 (SWA)
+    with_room = dp.allocatable_token_budgets(node, state, count_retracted=False)
+    without = dp.allocatable_token_budgets(node, state, count_retracted=False, reserve_finish=False)
+    assert (with_room.full, with_room.swa) == (60 - 9, 12 - 9)
+    assert (without.full, without.swa) == (60, 12)
+    assert dp.resume_gate(node, state, with_room, queued).reason == "SWA gate: needs 8 > budget 3"
+    assert dp.resume_gate(node, state, without, queued).admit
+    paged_one = PoolConfig(size_full=16, size_swa=8, page_size=1, sliding_window_size=5)
+    assert not dp.admission_reclaims_swa(node, sa.initial_state(paged_one))

@@ -5,7 +5,7 @@ import pytest
 from kvproof.reference import swa_allocator as sa
 from kvproof.reference.arith import extend_parts, num_new_pages, swa_tail_len
 from kvproof.reference.config import PoolConfig
-from kvproof.reference.errors import InvalidOperation, OutOfMemory
+from kvproof.reference.errors import ConfigError, InvalidOperation, OutOfMemory
 from kvproof.reference.invariants import check_invariants
 
 S1 = {1: 1, 100: 100, 191: 191, 192: 128, 200: 136, 255: 191, 256: 128, 8192: 128, 8200: 136}
@@ -106,3 +106,88 @@ def test_out_of_memory_names_the_pool() -> None:
     st = small(p=2, full=6, swa=2)
     with pytest.raises(OutOfMemory, match="swa pool needs 2 page"):
         sa.alloc_extend(st, [0], [3], [-1], 3)
+
+
+# ---- ring mode: 0.5.23's per-request SWA ring (PoolConfig.swa_ring_size; docs/sglang-findings.md F8, SR1-SR3)
+
+RING = PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3, swa_ring_size=3, num_req_slots=4)
+
+
+def test_ring_config_validates_and_labels() -> None:
+    assert (RING.ring, RING.swa_ring_cost, RING.label()) == (True, 4, "P2-W3-F24-S12-R3x4")
+    plain = PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3)
+    assert (plain.ring, plain.swa_ring_cost, plain.label()) == (False, 0, "P2-W3-F24-S12")  # unchanged label
+    with pytest.raises(ConfigError, match=r"PoolConfig\.num_req_slots: required with swa_ring_size"):
+        PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3, swa_ring_size=3)
+    with pytest.raises(ConfigError, match=r"PoolConfig\.num_req_slots: only with swa_ring_size"):
+        PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3, num_req_slots=2)
+    with pytest.raises(ConfigError, match=r"PoolConfig\.swa_ring_size"):
+        PoolConfig(size_full=24, size_swa=12, page_size=2, sliding_window_size=3, swa_ring_size=0, num_req_slots=2)
+
+
+def test_ring_sizes_are_full_only_and_slot_counted() -> None:
+    """SR1, SR2: available_size is the full pool's; swa_available_size is free slots x ceil(ring / P) * P."""
+    st = sa.initial_state(RING)
+    assert (sa.available_size(st), sa.full_available_size(st), sa.swa_available_size(st)) == (24, 24, 16)
+    st, slots = sa.alloc_req_slots(st, 3)
+    assert slots == (2, 3, 4) and st.req_slots == (1,)  # ReqToTokenPool.alloc_rows: the tail of the free list
+    assert (sa.available_size(st), sa.swa_available_size(st)) == (24, 4)
+    st = sa.free_req_slots(st, [3, 2])
+    assert st.req_slots == (1, 3, 2) and sa.swa_available_size(st) == 12  # free_rows appends in the order given
+    with pytest.raises(OutOfMemory, match="alloc_req_slots: req_slots pool needs 4"):
+        sa.alloc_req_slots(st, 4)
+
+
+def test_ring_allocations_take_full_pages_only_and_never_map() -> None:
+    """SR3: every allocation takes full pages only (capacity: the full pool's) and leaves M at 0; M5 does not apply."""
+    st = sa.initial_state(RING)
+    swa_free, mapping = st.swa.free_pages, st.full_to_swa_index_mapping
+    st, a = sa.alloc_extend(st, [0], [5], [-1], 5)
+    st, d = sa.alloc_decode(st, [6], [a[-1]])  # continues a page whose SWA side was never mapped: fine on a ring
+    st, tl = sa.alloc_extend_swa_tail(st, [0], [4], [-1], 4, 2)
+    st, b = sa.alloc(st, 4)
+    assert (a, d, tl, b) == ((2, 3, 4, 5, 6), (7,), (8, 9, 10, 11), (12, 13, 14, 15))
+    assert st.swa.free_pages == swa_free and st.full_to_swa_index_mapping == mapping
+    assert sa.available_size(st) == 24 - 14 and sa.swa_available_size(st) == 16  # 7 full pages taken
+    check_invariants(st)
+    # the paged SWA pool (6 pages) never gates: the 5 pages left fit one request
+    st, _ = sa.alloc_extend(st, [0], [10], [-1], 10)
+    assert sa.available_size(st) == 0
+    with pytest.raises(OutOfMemory, match="full pool"):
+        sa.alloc_extend(st, [0], [1], [-1], 1)
+
+
+def test_ring_releases_never_credit_swa() -> None:
+    """free_swa / free_swa_segment release nothing; free / free_segment only the full side; clear keeps the slots."""
+    st = sa.initial_state(RING)
+    st, (slot,) = sa.alloc_req_slots(st, 1)
+    assert slot == 4
+    st, a = sa.alloc_extend(st, [0], [6], [-1], 6)
+    before = st
+    assert sa.free_swa(st, list(a)) is st
+    assert sa.free_swa_segment(st, list(a[:2]), 0) is st
+    with pytest.raises(InvalidOperation, match="double free"):
+        sa.free_swa(sa.free(st, list(a)), list(a))  # still validated
+    st = sa.free_segment(st, list(a[:4]), 0)
+    st = sa.free(st, list(a[4:]))
+    assert st.full.free_pages != before.full.free_pages and st.swa == before.swa
+    assert (sa.available_size(st), sa.swa_available_size(st)) == (24, 12)
+    st = sa.clear(st)
+    assert st.req_slots == (1, 2, 3) and sa.swa_available_size(st) == 12  # ReqToTokenPool is not the allocator's
+
+
+def test_req_slot_misuse_is_rejected() -> None:
+    st = sa.initial_state(RING)
+    with pytest.raises(InvalidOperation, match="request slot 2 is not held"):
+        sa.free_req_slots(st, [2])
+    st, (slot,) = sa.alloc_req_slots(st, 1)
+    with pytest.raises(InvalidOperation, match="not held"):
+        sa.free_req_slots(st, [slot, slot])
+    with pytest.raises(InvalidOperation, match=r"outside \[1, 4\]"):
+        sa.free_req_slots(st, [0])
+    with pytest.raises(InvalidOperation, match="need_size: must be >= 0"):
+        sa.alloc_req_slots(st, -1)
+    with pytest.raises(InvalidOperation, match="no per-request SWA ring"):
+        sa.alloc_req_slots(small(), 1)
+    with pytest.raises(InvalidOperation, match="no per-request SWA ring"):
+        sa.free_req_slots(small(), [1])

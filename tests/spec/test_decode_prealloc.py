@@ -105,6 +105,29 @@ def test_budgets_and_gates(s: tuple[dp.DecodeNode, sa.SWAAllocatorState, dp.Deco
         resume = spec.resume_gate_terms(k, got, req_terms(req), rounded=rounded)
         full_req, swa_req = dp.prealloc_required_tokens(node, allocator, req)
         assert value(resume.admit) == (full_req <= want.full and swa_req <= (want.swa or 0))
+        assert value(resume.admit) == dp.resume_gate(node, allocator, want, req).admit
+
+
+@given(situations())
+def test_a_request_the_corrected_gate_admits_finds_its_swa_tail_free(
+        s: tuple[dp.DecodeNode, sa.SWAAllocatorState, dp.DecodeRequest, int]) -> None:
+    """0.5.23 reclaims SWA room for an admitted request's tail and aborts it on a shortfall: under ``CORRECTED``, with
+    nothing evictable, that never happens (the SWA gate's requirement is at least the page-rounded tail, the SWA
+    budget at most the free SWA tokens), in either round and with the resume round's budgets as SGLang computes
+    them (no "can finish" room) or as the reference's round does."""
+    node, allocator, req, extra = s
+    reclaim = dp.reclaim_swa_tail(node, allocator, req)
+    assert reclaim.needed % allocator.config.page_size == 0 and reclaim.available == sa.swa_available_size(allocator)
+    if node.config.policy is not dp.PreallocPolicy.CORRECTED:
+        return
+    pop = dp.allocatable_token_budgets(node, allocator, extra_reserved_reqs=extra)
+    if dp.admission_gate(node, allocator, pop, req).admit:
+        assert reclaim.ready, (pop, reclaim)
+    for reserve_finish in (True, False):
+        resume = dp.allocatable_token_budgets(node, allocator, count_retracted=False, extra_reserved_reqs=extra,
+                                              reserve_finish=reserve_finish)
+        if dp.resume_gate(node, allocator, resume, req).admit:
+            assert reclaim.ready, (resume, reclaim)
 
 
 @given(P=st.integers(2, 64), W=st.integers(1, 500), L=st.integers(1, 5000), mark_pages=st.integers(0, 80))
