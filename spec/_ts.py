@@ -52,7 +52,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, SupportsInt, TypeVar
 
 import z3
 
@@ -84,6 +84,7 @@ __all__ = [
     "has_successor",
     "initiation",
     "invariant_broken",
+    "literal",
     "obligation",
     "reachable",
     "relation",
@@ -113,6 +114,11 @@ class TransitionSystemError(Exception):
 
 
 # ---- terms and frames --------------------------------------------------------------------------------------
+
+
+def literal(value: SupportsInt) -> z3.ExprRef:
+    """A concrete value as a Z3 literal: a ``bool`` as a Boolean, anything else as an integer (``int(value)``)."""
+    return z3.BoolVal(value) if isinstance(value, bool) else z3.IntVal(int(value))
 
 
 def terms_of(value: object) -> list[z3.ExprRef]:

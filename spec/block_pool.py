@@ -1084,6 +1084,11 @@ def _after(step: _ts.Step[State, Action]) -> Request:
     return _selected(step.post, step.action.req)
 
 
+def _step_terms(step: _ts.Step[State, Action], v: Variant) -> AllocTerms:
+    """:func:`alloc_terms` of a step's ``allocate_slots`` call, on the request it names, before the call."""
+    return alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+
+
 def _changes(m: z3.ModelRef, pre: State, post: State) -> str:
     """The state variables a step changed, ``name a -> b``."""
     out = []
@@ -1114,12 +1119,12 @@ def _covers_check(v: Variant) -> _ts.Check:
     sys_ = system(v)
 
     def safe(step: _ts.Step[State, Action]) -> z3.BoolRef:
-        x = alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+        x = _step_terms(step, v)
         q = _after(step)
         return z3.Implies(step.action.ok, z3.And([q.groups[g].length == x.nblocks for g in GROUPS]))
 
     def explain(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
-        x = alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+        x = _step_terms(step, v)
         q = _after(step)
         want = as_int(m, x.nblocks)
         short = [f"group {g} lists {as_int(m, q.groups[g].length)}" for g in GROUPS
@@ -1136,11 +1141,11 @@ def _sum_check(v: Variant) -> _ts.Check:
     sys_ = system(v)
 
     def safe(step: _ts.Step[State, Action]) -> z3.BoolRef:
-        x = alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+        x = _step_terms(step, v)
         return z3.Implies(step.action.ok, x.mid.nfree - step.post.nfree == z3.Sum(x.need))
 
     def explain(m: z3.ModelRef, step: _ts.Step[State, Action]) -> str:
-        x = alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+        x = _step_terms(step, v)
         left = as_int(m, x.mid.nfree) - as_int(m, step.post.nfree)
         return (f"get_num_blocks_to_allocate says {' + '.join(str(as_int(m, n)) for n in x.need)} = "
                 f"{as_int(m, z3.Sum(x.need))} blocks, but {left} left the free queue (evictable hit blocks "
@@ -1154,7 +1159,7 @@ def _window_held_check(v: Variant) -> _ts.Check:
     sys_ = system(v)
 
     def want(step: _ts.Step[State, Action]) -> list[z3.ArithRef]:
-        x = alloc_terms(step.pre, step.action, _selected(step.pre, step.action.req), v)
+        x = _step_terms(step, v)
         skipped = _skipped_blocks(step.pre, step.action.n + x.h, SOUND)
         return [x.nblocks, x.nblocks - skipped]
 

@@ -34,6 +34,7 @@ from enum import Enum
 
 import z3
 
+from kvproof.spec import _ts
 from kvproof.spec._solver import Expect, Obligation, as_bool, as_int
 from kvproof.spec.terms import ceil_p_term, extend_parts_terms
 
@@ -76,7 +77,7 @@ GEOMETRIES = (Geometry(P=2, num_pages=3), Geometry(P=4, num_pages=2))
 
 def pick(values: Sequence[z3.ExprRef], i: z3.ArithRef, default: int | bool = 0) -> z3.ExprRef:
     """``values[i]`` for a symbolic index (``default`` out of range), as an If-chain."""
-    out: z3.ExprRef = z3.BoolVal(default) if isinstance(default, bool) else z3.IntVal(default)
+    out: z3.ExprRef = _ts.literal(default)
     for k in reversed(range(len(values))):
         out = z3.If(i == k, values[k], out)
     return out

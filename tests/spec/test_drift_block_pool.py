@@ -417,24 +417,20 @@ def samples() -> tuple[Sample, ...]:
 # ---- encoding concrete values as facts ----------------------------------------------------------------------
 
 
-def _value(v: object) -> z3.ExprRef:
-    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(int(v))
-
-
 def _each(terms: Sequence[z3.ExprRef], values: Sequence[object], start: int = 0) -> Pins:
-    return [(x, _value(y)) for x, y in zip(terms[start:], values[start:], strict=True)]
+    return [(x, _ts.literal(y)) for x, y in zip(terms[start:], values[start:], strict=True)]
 
 
 def state_pins(s: spec.State, v: Values) -> Pins:
-    pins = [(s.B, _value(v["B"])), (s.W, _value(v["W"])), (s.L, _value(v["L"])), (s.T, _value(v["T"])),
-            (s.nfree, _value(v["nfree"]))]
+    pins = [(s.B, _ts.literal(v["B"])), (s.W, _ts.literal(v["W"])), (s.L, _ts.literal(v["L"])),
+            (s.T, _ts.literal(v["T"])), (s.nfree, _ts.literal(v["nfree"]))]
     for name in ("ref", "inq", "cached", "kgrp", "kpos"):
         pins += _each(getattr(s, name), v[name])
     for q, values in zip(s.reqs, v["reqs"], strict=True):
-        pins += [(q.active, _value(values["active"])), (q.computed, _value(values["computed"]))]
+        pins += [(q.active, _ts.literal(values["active"])), (q.computed, _ts.literal(values["computed"]))]
         for grp, gv in zip(q.groups, values["groups"], strict=True):
-            pins += [(grp.length, _value(gv["length"])), (grp.nulls, _value(gv["nulls"])),
-                     (grp.ncached, _value(gv["ncached"]))]
+            pins += [(grp.length, _ts.literal(gv["length"])), (grp.nulls, _ts.literal(gv["nulls"])),
+                     (grp.ncached, _ts.literal(gv["ncached"]))]
             pins += _each(grp.held, gv["held"], 1) + _each(grp.idx, gv["idx"], 1)  # index 0: a constant
     return pins
 
@@ -442,14 +438,14 @@ def state_pins(s: spec.State, v: Values) -> Pins:
 def action_pins(a: spec.Action, v: Values, *, leave: Sequence[str] = ()) -> Pins:
     """Every argument field (``leave``: fields left to the model: ``ok``, ``must_fit``, ``take``, the blocks popped
     with their positions)."""
-    pins = [(getattr(a, name), _value(v[name])) for name in ("req", "ntok", "n", "new", "hit", "must_fit", "ok")
+    pins = [(getattr(a, name), _ts.literal(v[name])) for name in ("req", "ntok", "n", "new", "hit", "must_fit", "ok")
             if name not in leave]
     for g in GROUPS:
         pins += _each(a.adopt[g], v["adopt"][g], 1)
         if "take" not in leave:
             pins += _each(a.take[g], v["take"][g], 1) + _each(a.pos[g], v["pos"][g], 1)
         else:  # the hit's positions stay pinned
-            pins += [(a.pos[g][x], _value(v["pos"][g][x])) for x in range(1, N) if v["adopt"][g][x]]
+            pins += [(a.pos[g][x], _ts.literal(v["pos"][g][x])) for x in range(1, N) if v["adopt"][g][x]]
     return pins + _each(a.ids, v["ids"])
 
 

@@ -199,23 +199,19 @@ def samples() -> tuple[Sample, ...]:
 Pins = list[tuple[z3.ExprRef, z3.ExprRef]]
 
 
-def _value(v: int | bool) -> z3.ExprRef:
-    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(v)
-
-
 def state_pins(s: spec.State, values: tuple[Values, tuple[Values, ...]]) -> Pins:
     """Each variable of ``s`` with its concrete value."""
     glob, slots = values
     terms = {"P": s.k.P, "W": s.k.W, "R": s.k.R, "CLIP": s.k.CLIP, "corrected": s.corrected,
              "full_total": s.full_total, "swa_total": s.swa_total, "free_full": s.free_full,
              "free_swa": s.free_swa, "crashed": s.crashed, "clock": s.clock}
-    pins = [(terms[name], _value(v)) for name, v in glob.items()]
-    return pins + [(getattr(slot, name), _value(v)) for slot, vals in zip(s.slots, slots, strict=True)
+    pins = [(terms[name], _ts.literal(v)) for name, v in glob.items()]
+    return pins + [(getattr(slot, name), _ts.literal(v)) for slot, vals in zip(s.slots, slots, strict=True)
                    for name, v in vals.items()]
 
 
 def action_pins(a: spec.Action, values: Values) -> Pins:
-    return [(getattr(a, name), _value(v)) for name, v in values.items()]
+    return [(getattr(a, name), _ts.literal(v)) for name, v in values.items()]
 
 
 def _pins(sample: Sample) -> tuple[Any, Any, Any]:

@@ -164,21 +164,17 @@ def samples() -> tuple[Sample, ...]:
 # ---- encoding concrete values as facts ------------------------------------------------------------
 
 
-def _value(v: object) -> z3.ExprRef:
-    return z3.BoolVal(v) if isinstance(v, bool) else z3.IntVal(int(v))
-
-
 def _count(c: spec.Count, v: object) -> Pins:
     pages, extra = v
-    return [(c.pages, _value(pages)), (c.extra, _value(extra))]
+    return [(c.pages, _ts.literal(pages)), (c.extra, _ts.literal(extra))]
 
 
 def state_pins(s: spec.State, v: Values) -> Pins:
-    pins = [(s.P, _value(v["P"])), (s.num_pages, _value(v["num_pages"])), (s.M, _value(v["M"])),
-            (s.paged, _value(v["paged"])), *_count(s.free, v["free"]), *_count(s.loose, v["loose"])]
+    pins = [(s.P, _ts.literal(v["P"])), (s.num_pages, _ts.literal(v["num_pages"])), (s.M, _ts.literal(v["M"])),
+            (s.paged, _ts.literal(v["paged"])), *_count(s.free, v["free"]), *_count(s.loose, v["loose"])]
     for row, values in zip(s.rows, v["rows"], strict=True):
-        pins += [*_count(row.alen, values["alen"]), (row.skip, _value(values["skip"])),
-                 (row.filled, _value(values["filled"]))]
+        pins += [*_count(row.alen, values["alen"]), (row.skip, _ts.literal(values["skip"])),
+                 (row.filled, _ts.literal(values["filled"]))]
     return pins
 
 
@@ -186,9 +182,9 @@ def action_pins(a: spec.Action, v: Values) -> Pins:
     """Every argument field: the sampled ones, 0 / False for the rest (so the relation closes)."""
     full = {"req": 0, "start": 0, "n": 0, "count": 0, "batch": [False] * SLOTS, "seq": [0] * SLOTS,
             "upto": [0] * SLOTS, **v}
-    pins = [(getattr(a, name), _value(full[name])) for name in ("req", "start", "n", "count")]
+    pins = [(getattr(a, name), _ts.literal(full[name])) for name in ("req", "start", "n", "count")]
     for name in ("batch", "seq", "upto"):
-        pins += [(x, _value(y)) for x, y in zip(getattr(a, name), full[name], strict=True)]
+        pins += [(x, _ts.literal(y)) for x, y in zip(getattr(a, name), full[name], strict=True)]
     return pins
 
 
