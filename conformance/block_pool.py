@@ -38,7 +38,8 @@ After every step (docs/block_pool.md §4):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,10 +218,11 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                       num_tokens=theirs.num_tokens)
 
     def _compare_new(self, state: bp.BlockPoolState, mine: Sequence[Sequence[int]], theirs: Any,
-                     follow: Any) -> bp.BlockPoolState:
+                     follow: Callable[..., tuple[bp.BlockPoolState, Any]]) -> bp.BlockPoolState:
         """The implementation's new blocks against the reference's; the reference state after the step. With
         ``EXACT_PAGE_ORDER`` they are the same blocks; else the reference takes the implementation's
-        (``follow(take)``: the step again with ``take``) if they are free there, as many per group."""
+        (``follow(take=...)``: the reference's step again, handing them out) if they are free there, as many per
+        group."""
         got = [list(x) for x in theirs] if isinstance(theirs, tuple | list) else theirs
         want = [list(x) for x in mine]
         if not isinstance(got, list) or [len(x) for x in got] != [len(x) for x in want]:
@@ -231,7 +233,7 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                           "EXACT_PAGE_ORDER)")
             return state
         try:
-            followed: bp.BlockPoolState = follow([[int(x) for x in blocks] for blocks in got])[0]
+            followed: bp.BlockPoolState = follow(take=[[int(x) for x in blocks] for blocks in got])[0]
         except InvalidOperation as err:
             self.fail(f"allocate_slots handed out blocks {got}, which are not free blocks of the pool ({err})",
                       check="V3", detail={"blocks": got})
@@ -251,17 +253,15 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         hit = mine.num_tokens
         n = data.draw(st.one_of(st.just(len(tokens) - hit), st.integers(1, len(tokens) - hit)), label="chunk")
         must_fit = data.draw(st.booleans(), label="full_sequence_must_fit")
-        before = self.ref
+        step = functools.partial(bp.allocate_slots, self.ref, req.rid, tokens, 0, n, joined, must_fit)
         out = self.call("allocate_slots", f"request {req.rid} (waiting, {len(tokens)} tokens, hit {hit}), "
-                        f"{n} new, full_sequence_must_fit={must_fit}",
-                        lambda: bp.allocate_slots(before, req.rid, tokens, 0, n, joined, must_fit),
+                        f"{n} new, full_sequence_must_fit={must_fit}", step,
                         lambda: self.impl.allocate_slots(req.rid, tokens, 0, n, theirs, must_fit))
         if out is None:
             self.waiting[req.rid] = req
             return
         (state, new), impl_new = out
-        self.ref = self._compare_new(state, new, impl_new, lambda take: bp.allocate_slots(
-            before, req.rid, tokens, 0, n, joined, must_fit, take))
+        self.ref = self._compare_new(state, new, impl_new, step)
         self.waiting.pop(req.rid, None)
         req.computed = hit + n
         self.running[req.rid] = req
@@ -289,16 +289,13 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                                  lambda: self.impl.remove_skipped_blocks(rid, computed), aside="released first")
             if released is not None:
                 self.ref = released[0][0]
-        before = self.ref
+        step = functools.partial(bp.allocate_slots, self.ref, rid, tokens, computed, n)
         out = self.call("allocate_slots", f"request {rid} (running, {len(tokens)} tokens, {computed} computed), "
-                        f"{n} new",
-                        lambda: bp.allocate_slots(before, rid, tokens, computed, n),
-                        lambda: self.impl.allocate_slots(rid, tokens, computed, n))
+                        f"{n} new", step, lambda: self.impl.allocate_slots(rid, tokens, computed, n))
         if out is None:
             return
         (state, new), impl_new = out
-        self.ref = self._compare_new(state, new, impl_new, lambda take: bp.allocate_slots(
-            before, rid, tokens, computed, n, take=take))
+        self.ref = self._compare_new(state, new, impl_new, step)
         req.computed = computed + n
         self._write_kv(req, computed, computed + n)
 
