@@ -135,9 +135,14 @@ class DecodePreallocMachine(SWALockstep):
 
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.running, data=st.data())
     def retract(self, data: Any) -> None:
-        """Retract one running request to a CPU copy (what the scheduler does when decode stalls)."""
-        rid = data.draw(st.sampled_from([r.rid for r in self.node.running]), label="request")
-        self._step("retract", dp.retract(self.node, self.ref, rid))
+        """Retract 1-3 running requests to CPU copies, one after another (what the scheduler's ``retract_decode`` does
+        when decode stalls: as many as the batch must give up). Several at once is what fills the retracted queue
+        now that resumption keeps no "can finish" room (M1): one at a time, each was back before the next left."""
+        running = [r.rid for r in self.node.running]
+        rids = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=min(3, len(running)), unique=True),
+                         label="requests")
+        for rid in rids:
+            self._step("retract", dp.retract(self.node, self.ref, rid))
 
     @operation(needs=allocating_needs, environment=True, when=lambda self: self.node.retracted)
     def resume_retracted_reqs(self) -> None:
@@ -284,7 +289,7 @@ class DecodePreallocMachine(SWALockstep):
                     self.fail(f"{key} of request {req.rid} (prompt {req.origin_input_len}, outputs "
                               f"{req.output_len}) = {theirs[key]}, reference {value}", check="budget",
                               detail={"function": key, "implementation": theirs[key], "reference": value})
-        # SGLang's resume round keeps no "can finish" room (the reference's own round does: model gap M1)
+        # the resume round keeps no "can finish" room (SGLang passes no retractable counts: M1)
         resume = dp.allocatable_token_budgets(node, self.ref, count_retracted=False, reserve_finish=False)
         for i, (req, theirs) in enumerate(zip(reqs, got["requests"], strict=True)):
             if i >= n_run + n_ret:

@@ -302,9 +302,9 @@ def allocatable_token_budgets(node: DecodeNode, allocator: sa.SWAAllocatorState,
     ``reserve_finish``: whether the budgets keep the "one running request can finish" room (``need``, ``need_swa``;
     SGLang's ``pop_preallocated`` passes the retractable counts they are computed from). SGLang's
     ``resume_retracted_reqs`` passes none, so its ``_need_space_for_single_req(None)`` is 0 and only ``R`` per active
-    request is reserved (the PR era and 0.5.23 alike): ``reserve_finish=False`` is that budget. This module's own
-    :func:`resume_retracted_reqs` still keeps the room (§2.5: "the same budgets"), a stricter round recorded as
-    model gap M1 in docs/sglang-findings.md ("The decode preallocation queue's own budget functions").
+    request is reserved (the PR era and 0.5.23 alike): ``reserve_finish=False`` is that budget, the one this
+    module's :func:`resume_retracted_reqs` uses. sglang_semantics.md §2.5 says "the same budgets"; the code passes
+    no retractable counts (model gap M1 in docs/sglang-findings.md).
     """
     tail = uses_tail(node, allocator)
     retractable = sum(r.origin_input_len + r.output_len for r in node.running)
@@ -407,9 +407,10 @@ def reclaim_swa_tail(node: DecodeNode, allocator: sa.SWAAllocatorState, req: Dec
 
 def _refresh(node: DecodeNode, allocator: sa.SWAAllocatorState, budgets: Budgets, gate: Gate, admitted: int, *,
              count_retracted: bool, decrement_full: bool) -> Budgets:
-    """Budgets after one admission: recomputed (CORRECTED) or decremented by the unrounded need (UPSTREAM)."""
+    """Budgets after one admission: recomputed (CORRECTED) or decremented by the unrounded need (UPSTREAM); the
+    resume round's (``count_retracted=False``) keep no "can finish" room (M1)."""
     fresh = allocatable_token_budgets(node, allocator, count_retracted=count_retracted,
-                                      extra_reserved_reqs=admitted + 1)
+                                      extra_reserved_reqs=admitted + 1, reserve_finish=count_retracted)
     if node.config.policy is PreallocPolicy.CORRECTED:
         return fresh
     full = budgets.full - gate.full_required if decrement_full else fresh.full
@@ -585,15 +586,14 @@ def retract(node: DecodeNode, allocator: sa.SWAAllocatorState, rid: int) -> Step
 def resume_retracted_reqs(node: DecodeNode, allocator: sa.SWAAllocatorState) -> StepResult:
     """Re-admit retracted requests in order (budgets without the retracted queue), then load their KV (§2.5).
 
-    The budgets keep the "can finish" room, which SGLang's resume round does not (model gap M1:
-    ``allocatable_token_budgets``, ``reserve_finish``): a stricter round, so a resumption made here SGLang makes too on
-    the same state.
+    The budgets keep no "can finish" room (``reserve_finish=False``): SGLang's resume round passes its budget
+    functions no retractable counts (model gap M1, closed: sglang_semantics.md §2.5 says "the same budgets").
 
     UPSTREAM decrements both budgets by the unrounded requirements between
     admissions (R4); CORRECTED recomputes them.
     """
     calls, start = _Calls(allocator), node
-    budgets = allocatable_token_budgets(node, allocator, count_retracted=False)
+    budgets = allocatable_token_budgets(node, allocator, count_retracted=False, reserve_finish=False)
     running, resumed = list(node.running), list[int]()
     for req in node.retracted:
         gate = resume_gate(start, allocator, budgets, req)

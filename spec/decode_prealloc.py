@@ -32,8 +32,9 @@ transition accepts the steps of seeded reference runs. Over it:
 **The arithmetic** (symbolic integers, tail mode ``P >= 2``): the requirements of
 ``prealloc_required_tokens`` (unrounded under ``UPSTREAM``, page-rounded under
 ``CORRECTED``, §2.3, R4), the budgets of ``allocatable_token_budgets`` (§2.4:
-``reserved = R * n_active``, the "can finish" term ``need``, the SWA growth cap
-``min(reserved, max(0, n_active * W - swa_used))``, the retracted queue), the gates
+``reserved = R * n_active``, the "can finish" term ``need``, which the resume budgets leave
+out as SGLang's ``resume_retracted_reqs`` does (model gap M1 in docs/sglang-findings.md), the
+SWA growth cap ``min(reserved, max(0, n_active * W - swa_used))``, the retracted queue), the gates
 (§2.5), the pages ``_pre_alloc`` takes, the eviction mark of ``_evict_swa`` and the resume
 tail. ``tests/spec/test_decode_prealloc.py`` evaluates these builders on concrete integers
 against the reference. Pools are page-granular (``F`` free pages hold ``F * P`` tokens);
@@ -47,8 +48,9 @@ D1 (admitted => ``_pre_alloc`` succeeds, §7), under ``pop_preallocated``:
   free tokens of its pool (every reservation term is ``>= 0``);
 * ``d1_corrected_step``: under ``CORRECTED``, for any pool state, aggregate, ``R``, ``W``,
   ``P`` and request, passing the gates (``pop_preallocated``'s, with the can-finish
-  clauses, or ``resume_retracted_reqs``'s) against budgets computed from that pool state
-  implies ``ceil(A/P) <= free full pages`` and ``ceil(tail/P) <= free SWA pages``.
+  clauses, or ``resume_retracted_reqs``'s, whose budgets keep no can-finish room: M1) against
+  budgets computed from that pool state implies ``ceil(A/P) <= free full pages`` and
+  ``ceil(tail/P) <= free SWA pages``.
   ``CORRECTED`` recomputes both budgets after every admission (``_refresh``), so the
   one-step lemma covers rounds of any length; ``d1_corrected_round`` checks an explicit
   two-admission round anyway;
@@ -348,18 +350,21 @@ def batch_terms(k: Knobs, running: Sequence[Req], retracted: Sequence[Req], *, r
 
 
 def budgets_terms(k: Knobs, pools: Pools, batch: Batch, extra: IntLike, *, count_retracted: bool = True,
-                  clamp_growth: bool = True) -> Budgets:
+                  clamp_growth: bool = True, reserve_finish: bool = True) -> Budgets:
     """``allocatable_token_budgets`` (§2.4) with ``n_active = n_running + extra``.
 
-    ``clamp_growth=False`` is a broken twin: the SWA growth cap without ``max(0, .)``.
+    ``reserve_finish=False``: without the "can finish" room (``need``, ``need_swa`` taken as 0), the budgets of
+    ``resume_retracted_reqs``, which passes SGLang's budget functions no retractable counts (model gap M1,
+    docs/sglang-findings.md). ``clamp_growth=False`` is a broken twin: the SWA growth cap without ``max(0, .)``.
     """
     n_active = batch.n_running + lift(extra)
     reserved = k.R * n_active
-    full = pools.free_full * k.P - zmax(reserved, batch.need)
+    need, need_swa = (batch.need, batch.need_swa) if reserve_finish else (z3.IntVal(0), z3.IntVal(0))
+    full = pools.free_full * k.P - zmax(reserved, need)
     growth = n_active * k.W - pools.used_swa * k.P
     if clamp_growth:
         growth = zmax(0, growth)
-    swa = pools.free_swa * k.P - zmax(zmin(reserved, growth), batch.need_swa)
+    swa = pools.free_swa * k.P - zmax(zmin(reserved, growth), need_swa)
     if count_retracted:
         full, swa = full - batch.retracted_full, swa - batch.retracted_swa
     return Budgets(full, swa)
@@ -507,7 +512,8 @@ def _step_parts(v: StepVars, variant: StepVariant) -> tuple[Budgets, Gate, z3.Bo
     """Budgets, the gate that applies (pop or resume), and the two allocation outcomes."""
     k = v.k
     pop_b = budgets_terms(k, v.pools, v.batch, v.extra, count_retracted=True, clamp_growth=variant.clamp_growth)
-    res_b = budgets_terms(k, v.pools, v.batch, v.extra, count_retracted=False, clamp_growth=variant.clamp_growth)
+    res_b = budgets_terms(k, v.pools, v.batch, v.extra, count_retracted=False, clamp_growth=variant.clamp_growth,
+                          reserve_finish=False)
     if variant.token_pool:  # the free counts are tokens (any integers), read directly by the budgets
         pop_b = _token_budgets(k, v, count_retracted=True)
         res_b = _token_budgets(k, v, count_retracted=False)
@@ -528,12 +534,13 @@ def _step_parts(v: StepVars, variant: StepVariant) -> tuple[Budgets, Gate, z3.Bo
 
 
 def _token_budgets(k: Knobs, v: StepVars, *, count_retracted: bool) -> Budgets:
-    """Twin: the budgets of §2.4 over free *token* counts ``free_full`` / ``free_swa`` (not pages)."""
+    """Twin: the budgets of §2.4 over free *token* counts ``free_full`` / ``free_swa`` (not pages); the resume
+    budgets (``count_retracted=False``) without the "can finish" room, as :func:`budgets_terms`' (M1)."""
     n_active = v.batch.n_running + v.extra
     reserved = k.R * n_active
-    full = v.pools.free_full - zmax(reserved, v.batch.need)
-    swa = v.pools.free_swa - zmax(zmin(reserved, zmax(0, n_active * k.W - v.pools.used_swa * k.P)),
-                                  v.batch.need_swa)
+    need, need_swa = (v.batch.need, v.batch.need_swa) if count_retracted else (z3.IntVal(0), z3.IntVal(0))
+    full = v.pools.free_full - zmax(reserved, need)
+    swa = v.pools.free_swa - zmax(zmin(reserved, zmax(0, n_active * k.W - v.pools.used_swa * k.P)), need_swa)
     if count_retracted:
         full, swa = full - v.batch.retracted_full, swa - v.batch.retracted_swa
     return Budgets(full, swa)
@@ -581,7 +588,8 @@ def _within_free_build(clamp_growth: bool, *, shaped: int | None = None) -> Call
         v = StepVars.fresh(shaped=shaped)
         cr = z3.Bool("count_retracted")
         b_yes = budgets_terms(v.k, v.pools, v.batch, v.extra, count_retracted=True, clamp_growth=clamp_growth)
-        b_no = budgets_terms(v.k, v.pools, v.batch, v.extra, count_retracted=False, clamp_growth=clamp_growth)
+        b_no = budgets_terms(v.k, v.pools, v.batch, v.extra, count_retracted=False, clamp_growth=clamp_growth,
+                             reserve_finish=False)  # the resume budgets (M1)
         full, swa = z3.If(cr, b_yes.full, b_no.full), z3.If(cr, b_yes.swa, b_no.swa)
         within = z3.And(full <= v.pools.free_full * v.k.P, swa <= v.pools.free_swa * v.k.P)
         return _facts(v.hypotheses(), [] if shaped is None else v.small(), z3.Not(within))
@@ -593,7 +601,8 @@ def _within_free_render(clamp_growth: bool, *, shaped: int | None = None) -> Cal
     def render(m: z3.ModelRef) -> str:
         v = StepVars.fresh(shaped=shaped)
         cr = as_bool(m, z3.Bool("count_retracted"))
-        b = budgets_terms(v.k, v.pools, v.batch, v.extra, count_retracted=cr, clamp_growth=clamp_growth)
+        b = budgets_terms(v.k, v.pools, v.batch, v.extra, count_retracted=cr, clamp_growth=clamp_growth,
+                          reserve_finish=cr)
         n_active = v.batch.n_running + v.extra
         growth = n_active * v.k.W - v.pools.used_swa * v.k.P
         P, ff, fs = as_int(m, v.k.P), as_int(m, v.pools.free_full), as_int(m, v.pools.free_swa)
@@ -1132,7 +1141,7 @@ class RoundTerms:
         return z3.Or([self.crashes(i) for i in range(len(self.member))])
 
 
-def round_of(s: State, t: State, *, resume: bool) -> RoundTerms:
+def round_of(s: State, t: State, *, resume: bool, resume_room: bool = False) -> RoundTerms:
     """The admissions of one round (§2.5): members in queue order (slot order for the prealloc queue, stamp
     order for the retracted queue), head-of-line. A member's gate reads budgets recomputed from the pools
     after the earlier admissions (``CORRECTED``), or decremented by their unrounded requirements
@@ -1141,13 +1150,17 @@ def round_of(s: State, t: State, *, resume: bool) -> RoundTerms:
 
     Relational: whether an earlier member was admitted and preallocated is read from ``post`` (it runs
     now), so every member's gate is a term of the states, whatever the (symbolic) stamp order.
+
+    The resume round's budgets keep no "can finish" room (M1); ``resume_room=True`` keeps it, as the model did
+    before M1 (sglang_semantics.md §2.5's "the same budgets"): the drift test's wrong transition.
     """
     k, batch, n = s.k, batch_of(s), len(s.slots)
     member = tuple(r.is_(RETRACTED if resume else QUEUED) for r in s.slots)
     ran = [z3.And(member[j], t.slots[j].is_(RUNNING)) for j in range(n)]
     pages = tuple(prealloc_pages_terms(k, r.req) for r in s.slots)
     unrounded = [required_tokens_terms(k, r.req, rounded=False) for r in s.slots]
-    b0 = budgets_terms(k, s.pools, batch, 0, count_retracted=not resume)
+    room = not resume or resume_room
+    b0 = budgets_terms(k, s.pools, batch, 0, count_retracted=not resume, reserve_finish=room)
     considered, budgets, admit, fits = [], [], [], []
     for i, r in enumerate(s.slots):
         earlier = [z3.And(member[j], s.slots[j].at < r.at if resume else z3.BoolVal(j < i)) if j != i
@@ -1156,7 +1169,7 @@ def round_of(s: State, t: State, *, resume: bool) -> RoundTerms:
         free_full = s.free_full - _total([p[0] for p in pages], earlier)
         free_swa = s.free_swa - _total([p[1] for p in pages], earlier)
         fresh = budgets_terms(k, Pools(free_full, free_swa, s.swa_total - free_swa), batch,
-                              _total([1] * n, earlier), count_retracted=not resume)
+                              _total([1] * n, earlier), count_retracted=not resume, reserve_finish=room)
         spent_full, spent_swa = _total([u[0] for u in unrounded], earlier), _total([u[1] for u in unrounded], earlier)
         upstream = Budgets(b0.full - spent_full if resume else fresh.full, b0.swa - spent_swa)
         b = Budgets(z3.If(s.corrected, fresh.full, upstream.full), z3.If(s.corrected, fresh.swa, upstream.swa))
@@ -1170,9 +1183,9 @@ def round_of(s: State, t: State, *, resume: bool) -> RoundTerms:
     return RoundTerms(member, tuple(considered), tuple(budgets), tuple(admit), tuple(fits), pages)
 
 
-def _round(s: State, t: State, *, resume: bool, marks_tail: bool = True) -> z3.BoolRef:
+def _round(s: State, t: State, *, resume: bool, marks_tail: bool = True, resume_room: bool = False) -> z3.BoolRef:
     """A round's relation: who runs now with which pages and mark, the pools, the crash flag."""
-    rnd = round_of(s, t, resume=resume)
+    rnd = round_of(s, t, resume=resume, resume_room=resume_room)
     facts = [z3.Not(s.crashed), t.clock == s.clock, t.crashed == rnd.crash]
     for i, (u, v) in enumerate(zip(s.slots, t.slots, strict=True)):
         (full, swa), runs = rnd.pages[i], rnd.runs(i)
@@ -1271,14 +1284,17 @@ def retract(s: State, a: Action, t: State, *, swa_by_length: bool = False) -> z3
     return z3.And(facts)
 
 
-def resume_retracted_reqs(s: State, a: Action, t: State, *, marks_tail: bool = True) -> z3.BoolRef:
+def resume_retracted_reqs(s: State, a: Action, t: State, *, marks_tail: bool = True,
+                          finish_room: bool = False) -> z3.BoolRef:
     """``resume_retracted_reqs``: one round over the retracted queue in stamp order (§2.5): budgets without
-    the retracted queue, the resume gate (both requirements within both budgets), ``_pre_alloc`` and
+    the retracted queue and without the "can finish" room (SGLang passes its budget functions no retractable
+    counts: M1), the resume gate (both requirements within both budgets), ``_pre_alloc`` and
     ``load_cpu_copy``; the mark at the tail start of ``L``.
 
-    ``marks_tail=False``: the PR-era mark left at 0 (R6), as in ``pop_preallocated``.
+    ``marks_tail=False``: the PR-era mark left at 0 (R6), as in ``pop_preallocated``. ``finish_room=True``: the
+    budgets keep the "can finish" room, as this model did before M1 (stricter than SGLang, not unsafe).
     """
-    return _round(s, t, resume=True, marks_tail=marks_tail)
+    return _round(s, t, resume=True, marks_tail=marks_tail, resume_room=finish_room)
 
 
 def init(s: State) -> z3.BoolRef:

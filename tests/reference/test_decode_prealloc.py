@@ -141,3 +141,20 @@ def test_the_swa_reclaim_and_the_resume_budgets_without_the_can_finish_room() ->
     assert dp.resume_gate(node, state, without, queued).admit
     paged_one = PoolConfig(size_full=16, size_swa=8, page_size=1, sliding_window_size=5)
     assert not dp.admission_reclaims_swa(node, sa.initial_state(paged_one))
+
+
+def test_the_resume_round_keeps_no_can_finish_room() -> None:
+    """M1: ``resume_retracted_reqs`` resumes a request that budgets keeping the "can finish" room would refuse (SGLang
+    passes its resume budgets no retractable counts; sglang_semantics.md §2.5 reads "the same budgets")."""
+    pool = PoolConfig(size_full=4 * 16, size_swa=4 * 4, page_size=4, sliding_window_size=5)
+    node = dp.initial_node(dp.DecodeConfig(reserved_decode_tokens=0, policy=dp.PreallocPolicy.CORRECTED,
+                                           write_kv=False))
+    both = dp.pop_preallocated(dp.arrive(dp.arrive(node, 1, 3, 1, 10), 2, 11, 1, 2), sa.initial_state(pool))
+    assert both.rids == (1, 2)
+    out = dp.retract(both.node, both.allocator, 2)
+    (back,) = out.node.retracted
+    with_room = dp.allocatable_token_budgets(out.node, out.allocator, count_retracted=False)
+    assert dp.resume_gate(out.node, out.allocator, with_room, back).reason == "SWA gate: needs 8 > budget 3"
+    resumed = dp.resume_retracted_reqs(out.node, out.allocator)
+    assert resumed.rids == (2,) and resumed.crash is None and not resumed.node.retracted
+    dp.check_node(resumed.node, resumed.allocator)

@@ -95,10 +95,11 @@ def test_budgets_and_gates(s: tuple[dp.DecodeNode, sa.SWAAllocatorState, dp.Deco
     rounded = node.config.policy is dp.PreallocPolicy.CORRECTED
     batch = spec.batch_terms(k, [req_terms(r) for r in node.running], [req_terms(r) for r in node.retracted],
                              rounded=rounded)
-    for count_retracted in (True, False):
+    for count_retracted, reserve_finish in ((True, True), (False, True), (False, False)):  # pop, -, resume (M1)
         want = dp.allocatable_token_budgets(node, allocator, count_retracted=count_retracted,
-                                            extra_reserved_reqs=extra)
-        got = spec.budgets_terms(k, pools(allocator), batch, extra, count_retracted=count_retracted)
+                                            extra_reserved_reqs=extra, reserve_finish=reserve_finish)
+        got = spec.budgets_terms(k, pools(allocator), batch, extra, count_retracted=count_retracted,
+                                 reserve_finish=reserve_finish)
         assert (value(got.full), value(got.swa)) == (want.full, want.swa)
         gate = spec.admission_gate_terms(k, batch, got, req_terms(req), rounded=rounded)
         assert value(gate.admit) == dp.admission_gate(node, allocator, want, req).admit
@@ -113,8 +114,8 @@ def test_a_request_the_corrected_gate_admits_finds_its_swa_tail_free(
         s: tuple[dp.DecodeNode, sa.SWAAllocatorState, dp.DecodeRequest, int]) -> None:
     """0.5.23 reclaims SWA room for an admitted request's tail and aborts it on a shortfall: under ``CORRECTED``, with
     nothing evictable, that never happens (the SWA gate's requirement is at least the page-rounded tail, the SWA
-    budget at most the free SWA tokens), in either round and with the resume round's budgets as SGLang computes
-    them (no "can finish" room) or as the reference's round does."""
+    budget at most the free SWA tokens), in either round, the resume round's budgets with the "can finish" room
+    (sglang_semantics.md §2.5's reading) or without it (the code's, and the reference's round since M1)."""
     node, allocator, req, extra = s
     reclaim = dp.reclaim_swa_tail(node, allocator, req)
     assert reclaim.needed % allocator.config.page_size == 0 and reclaim.available == sa.swa_available_size(allocator)

@@ -33,6 +33,7 @@ SLOTS = 3
 SYSTEM = spec.system(SLOTS)
 OPS = tuple(SYSTEM.ops)
 RUNS, STEPS = 60, 20
+ROOM_RUNS = 60
 
 Values = dict[str, int | bool]
 
@@ -57,18 +58,25 @@ class Tracker:
 
     def __init__(self, rng: random.Random, flavour: str = "mixed") -> None:
         """``flavour``: ``mixed``; ``tight`` (UPSTREAM, SWA pages, reserve and CLIP small: where the unrounded
-        decrement crashes, S2); ``long`` (P=2, small window, long outputs: where eviction moves the mark)."""
-        long, tight = flavour == "long", flavour == "tight"
+        decrement crashes, S2); ``long`` (P=2, small window, long outputs: where eviction moves the mark); ``room``
+        (no reserve, a large CLIP, long outputs, few SWA pages: where the "can finish" room is larger than the
+        reserve, so budgets keeping it refuse resumptions SGLang makes, M1)."""
+        long, tight, room = flavour == "long", flavour == "tight", flavour == "room"
         p = 2 if long else rng.choice((2, 3, 4))
-        swa_pages = rng.randint(2, 4) if tight else rng.randint(6, 10) if long else rng.randint(3, 8)
+        swa_pages = (rng.randint(2, 4) if tight else rng.randint(6, 10) if long else rng.randint(3, 5) if room
+                     else rng.randint(3, 8))
         full_pages = rng.randint(max(swa_pages, 12), 20) if long else rng.randint(max(swa_pages, 3), 14)
         self.allocator = sa.initial_state(PoolConfig(size_full=full_pages * p, size_swa=swa_pages * p, page_size=p,
                                                      sliding_window_size=rng.randint(1, 2 if long else 4)))
-        config = dp.DecodeConfig(reserved_decode_tokens=0 if tight else rng.choice((0, 1) if long else (0, 1, 2, 4)),
-                                 clip_max_new_tokens=rng.randint(1, 2 if tight else 4 if long else 8),
+        config = dp.DecodeConfig(reserved_decode_tokens=0 if tight or room else rng.choice((0, 1) if long
+                                                                                           else (0, 1, 2, 4)),
+                                 clip_max_new_tokens=rng.randint(8, 12) if room else rng.randint(1, 2 if tight else
+                                                                                                 4 if long else 8),
                                  policy=dp.PreallocPolicy.UPSTREAM if tight else rng.choice(list(dp.PreallocPolicy)),
                                  write_kv=False)
         self.flavour = flavour
+        # room: two arrivals admitted together, one retracted, then a resume round with the other still running
+        self.script = ["arrive", "arrive", "pop_preallocated", "retract", "resume_retracted_reqs"] if room else []
         self.node, self.rng = dp.initial_node(config), rng
         self.arrived = 0
         self.crashed = False
@@ -125,7 +133,12 @@ class Tracker:
         op = rng.choice(choices)
         if self.flavour == "tight" and self.arrived < SLOTS:  # a full queue before the first round
             op = "arrive"
-        if rng.random() < 0.08:  # a call the reference rejects: the model must not take it either
+        scripted = bool(self.script)
+        if scripted:
+            op = self.script.pop(0)
+            if op == "retract" and not running:
+                op, self.script = "pop_preallocated", []
+        if not scripted and rng.random() < 0.08:  # a call the reference rejects: the model must not take it either
             return self._rejected(pre)
         action: Values = {"slot": 0, "orig": 0, "out": 0, "max_new": 0}
         events: list[str] = []
@@ -134,8 +147,13 @@ class Tracker:
             orig = rng.randint(1, 6 if self.flavour == "long" else 10)
             if self.flavour == "tight":  # one token into a page: the most rounding drift (R4)
                 out, orig = 1, rng.choice((p + 1, 2 * p + 1, orig))
-            longest = 16 if self.flavour == "long" else 8
+            if scripted and self.flavour == "room":  # M1's shape: a short prompt with a long way to go, then a
+                out = 1                              # longer prompt close to done (the one retracted and resumed)
+                orig = rng.randint(1, p + 1) if self.arrived == 0 else rng.randint(2 * p, 3 * p + 1)
+            longest = 16 if self.flavour in ("long", "room") else 8
             action = {"slot": self.arrived, "orig": orig, "out": out, "max_new": rng.randint(out + 1, out + longest)}
+            if scripted and self.flavour == "room" and self.arrived == 1:
+                action["max_new"] = rng.randint(out + 1, out + 2)
             self.node = dp.arrive(self.node, self.arrived, int(action["orig"]), out, int(action["max_new"]))
             self.arrived += 1
         elif op == "retract":
@@ -148,12 +166,20 @@ class Tracker:
                 self.last[run.rid] = self.slot(run.rid)
             result = getattr(dp, op)(self.node, self.allocator)
             events += ["stall"] * result.stalled + ["crash"] * (result.crash is not None)
+            if op == "resume_retracted_reqs" and result.rids and not self._room_admits():
+                events.append("resumed past the finish room")  # M1: budgets keeping the room would refuse it
             events += ["finish"] * len(result.rids) if op == "decode" else [f"{op}:{len(result.rids)}"]
             self._apply(result)
         post = self.state()
         moved = [a["m"] != b["m"] and b["status"] == spec.RUNNING for a, b in zip(pre[1], post[1], strict=True)]
         events += ["evict"] if op == "decode" and any(moved) else []
         return Sample(op, pre, action, post, tuple(events))
+
+    def _room_admits(self) -> bool:
+        """Whether the first retracted request passes the resume gate over budgets that keep the "can finish" room
+        (the model before M1)."""
+        budgets = dp.allocatable_token_budgets(self.node, self.allocator, count_retracted=False)
+        return dp.resume_gate(self.node, self.allocator, budgets, self.node.retracted[0]).admit
 
     def _apply(self, result: dp.StepResult) -> None:
         self.node, self.allocator = result.node, result.allocator
@@ -182,10 +208,11 @@ class Tracker:
 
 @functools.cache
 def samples() -> tuple[Sample, ...]:
-    """``RUNS`` seeded runs of up to ``STEPS`` steps; a run ends when the node crashes."""
+    """``RUNS`` seeded runs of up to ``STEPS`` steps, then ``ROOM_RUNS`` of the ``room`` flavour; a run ends when the
+    node crashes."""
     out: list[Sample] = []
-    for seed in range(RUNS):
-        tracker = Tracker(random.Random(seed), ("mixed", "mixed", "long", "tight")[seed % 4])
+    for seed in range(RUNS + ROOM_RUNS):
+        tracker = Tracker(random.Random(seed), ("mixed", "mixed", "long", "tight")[seed % 4] if seed < RUNS else "room")
         for _ in range(STEPS):
             sample = tracker.step()
             out.append(sample)
@@ -272,18 +299,21 @@ def test_calls_the_reference_rejects_have_no_successor() -> None:
 
 
 def test_the_samples_cover_every_branch() -> None:
-    """Rounds admitting two or more requests, resumes of two, UPSTREAM crashes, stalls, evictions, finishing."""
+    """Rounds admitting two or more requests, resumes of two, UPSTREAM crashes, stalls, evictions, finishing, and
+    resumptions that budgets keeping the "can finish" room would refuse."""
     events = Counter(e for s in samples() for e in s.events)
     assert events["crash"] >= 3 and events["stall"] >= 10 and events["evict"] >= 5, events
     assert events["pop_preallocated:2"] + events["pop_preallocated:3"] >= 10, events
     assert events["resume_retracted_reqs:1"] >= 10 and events["resume_retracted_reqs:2"] >= 1, events
     assert events["finish"] >= 10, events
+    assert events["resumed past the finish room"] >= 3, events  # M1: what the model before it would not step to
     assert {s.pre[0]["corrected"] for s in samples()} == {True, False}
 
 
 @pytest.mark.parametrize(("op", "wrong"), [
     ("pop_preallocated", functools.partial(spec.pop_preallocated, marks_tail=False)),  # the PR era, R6
     ("retract", functools.partial(spec.retract, swa_by_length=True)),
+    ("resume_retracted_reqs", functools.partial(spec.resume_retracted_reqs, finish_room=True)),  # before M1
 ])
 def test_a_wrong_transition_rejects_sampled_steps(op: str, wrong: Callable[..., z3.BoolRef]) -> None:
     system = SYSTEM.with_transitions(**{op: wrong})
