@@ -110,13 +110,14 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
     def structure(cls, config: bp.BlockPoolConfig) -> dict[str, int]:
         """Three requests running at once; a request holding as many blocks as the model length and the pool allow; the
         pool exhausted; a hit of two blocks; a request preempted and admitted again; a block evicted from the prefix
-        cache; the prefix cache reset; with a window, a block released for leaving it."""
+        cache; the prefix cache reset; an admission refused only for the free blocks its hit would take off the free
+        queue; with a window, a block released for leaving it."""
         # a request holds cdiv(L, B) full-attention blocks at most, and the pool must keep its window's blocks too
         window = bp.contiguous_blocks_for_hit(config.sliding_window, config.block_size) if config.sliding_window else 0
         longest = min(ceil_div(config.max_model_len, config.block_size), config.num_blocks - 1 - window)
         dims = {"requests running at once": 3, "blocks of one request": longest,
                 "pool exhausted": 1, "prefix-cache hit blocks": 2, "preemptions per example": 1,
-                "cached blocks evicted": 1, "prefix cache reset": 1}
+                "cached blocks evicted": 1, "prefix cache reset": 1, "admission refused for its hit's free blocks": 1}
         if config.sliding_window is not None:
             dims["null blocks of one request"] = 1
         return dims
@@ -258,6 +259,8 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                         f"{n} new, full_sequence_must_fit={must_fit}", step,
                         lambda: self.impl.allocate_slots(req.rid, tokens, 0, n, theirs, must_fit))
         if out is None:
+            self.note("admission refused for its hit's free blocks", int(self._refused_for_free_hit(
+                req.rid, tokens, n, joined, must_fit)))
             self.waiting[req.rid] = req
             return
         (state, new), impl_new = out
@@ -266,6 +269,24 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         req.computed = hit + n
         self.running[req.rid] = req
         self._write_kv(req, hit, hit + n)
+
+    def _refused_for_free_hit(self, rid: int, tokens: list[int], n: int, hit: bp.Hit, must_fit: bool) -> bool:
+        """Whether the reference refused this admission only because the hit blocks it would join are free (count 0:
+        joining takes them off the free queue, ``num_evictable_computed_blocks``): the gate that refused has room for
+        the new blocks alone. The boundary a capacity count without that charge gets wrong."""
+        state, computed = self.ref, hit.num_tokens
+        free = len(state.free)
+        gates = [(min(len(tokens), self.config.max_model_len), True)] if must_fit else []
+        for num_tokens, capped in (*gates, (computed + n, False)):
+            need = sum(bp.get_num_blocks_to_allocate(state, g, rid, num_tokens, hit.blocks[g], computed, capped)
+                       for g in self.groups)
+            if need <= free:
+                continue
+            skipped = [bp.get_num_skipped_tokens(self.config, g, computed) // self.b for g in self.groups]
+            charged = sum(1 for g in self.groups for x in hit.blocks[g][skipped[g]:]
+                          if x != bp.NULL_BLOCK and state.ref_cnt[x] == 0)
+            return need - charged <= free
+        return False
 
     def _extend(self, data: Any) -> None:
         """The next step of a running request: a prefill chunk, or a decode (the sampled token appended first)."""

@@ -202,7 +202,7 @@ class BlockPoolRuntime:
                 if running is not None:
                     out += max(required - held, 0)
                 else:
-                    out += max(required - max(skipped[g], len(hit_lists[g])), 0) + evictable[g]
+                    out += max(required - max(skipped[g], len(hit_lists[g])), 0) + self._charged_hit(evictable[g])
             return out
 
         if full_sequence_must_fit:
@@ -434,6 +434,11 @@ class BlockPoolRuntime:
         if group == FULL or window is None:
             return 0
         return max(0, num_computed_tokens - window + 1)
+
+    def _charged_hit(self, evictable: int) -> int:
+        """Blocks of a joined hit charged against the free blocks: those of count 0, which leave the free queue when
+        joined (``num_evictable_computed_blocks`` of ``get_num_blocks_to_allocate``)."""
+        return evictable
 
     def _admission_cap(self, group: int) -> int | None:
         """``cdiv(min(W - 1 + T, L), B) + 1`` for the window, no cap for full attention."""

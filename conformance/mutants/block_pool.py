@@ -2,12 +2,12 @@
 
 Each mutant is a subclass of :class:`~kvproof.gpu_runtime.block_pool.BlockPoolRuntime` with one small override
 reproducing a bug class of vLLM's manager (docs/block_pool.md §5): the null block put into circulation, the free
-queue's prepend/append rule broken, a hash kept past a block's reuse (stale hits), the window's skip off by one,
-a hybrid allocation that takes one group's blocks before the other's check, a duplicate free accepted, a lookup
-that trusts an index eviction never updates, the admission gate charging the whole sequence to the sliding-window
-group (#39734), and the tail freed first-to-last. The ``block_pool`` lockstep suite must kill every one
-(``kvproof mutants``); ``tests/conformance/test_block_pool.py`` also runs the short differing sequence named in
-each docstring.
+queue's prepend/append rule broken, a hash kept past a block's reuse (stale hits), the window's skip off by one, a
+hybrid allocation that takes one group's blocks before the other's check, a duplicate free accepted, a lookup that
+trusts an index eviction never updates, the admission gate charging the whole sequence to the sliding-window group
+(#39734), the tail freed first-to-last, and the capacity count without the joined hit's free blocks. The
+``block_pool`` lockstep suite must kill every one (``kvproof mutants``); ``tests/conformance/test_block_pool.py``
+also runs the short differing sequence named in each docstring.
 """
 
 from __future__ import annotations
@@ -163,6 +163,18 @@ class UncappedAdmission(BlockPoolRuntime):
         return None
 
 
+class FreeHitUncharged(BlockPoolRuntime):
+    """The capacity count leaves out the hit blocks of count 0 (``get_num_blocks_to_allocate`` without
+    ``num_evictable_computed_blocks``): joining them takes them off the free queue, so an allocation the count passed
+    runs out of blocks half done. Differs: B=2, 5 blocks: request 1 (5 tokens) cached and freed, request 2 takes 2
+    blocks, request 3 (7 tokens) hits request 1's 2 full blocks and needs 2 more: the reference refuses (2 new + 2
+    joined > 2 free), the mutant admits it and hands it a block of its own hit (the free queue then holds the null
+    block)."""
+
+    def _charged_hit(self, evictable: int) -> int:
+        return 0
+
+
 class FreeInOrder(BlockPoolRuntime):
     """``free`` releases a request's blocks first to last (not reversed): its head, not its tail, is reused or
     evicted first. Differs: 6 tokens at B=2 freed: the cached blocks are appended as [1, 2, 3], not [3, 2, 1]."""
@@ -181,4 +193,5 @@ MUTANTS = {
     "stale_lookup": StaleLookup,
     "uncapped_admission": UncappedAdmission,
     "free_in_order": FreeInOrder,
+    "free_hit_uncharged": FreeHitUncharged,
 }

@@ -17,6 +17,7 @@ from kvproof.conformance.reference_impl import ReferenceBlockPool
 from kvproof.gpu_runtime.block_pool import BlockPoolRuntime
 from kvproof.reference import block_pool as bp
 from kvproof.reference.contract import Capability
+from kvproof.reference.errors import OutOfMemory
 
 IDS = [c.label() for c in BLOCK_POOL_CONFIGS]
 
@@ -173,3 +174,20 @@ def test_stale_lookup_differs() -> None:
         pool.allocate_slots(1, [1, 2, 3], 0, 3)
         pool.evict_blocks([1])
         assert pool.get_computed_blocks([1, 2, 3]).num_tokens == hit
+
+
+def test_free_hit_uncharged_differs() -> None:
+    config = bp.BlockPoolConfig(block_size=2, num_blocks=5, max_model_len=8)
+    for cls, refused in ((BlockPoolRuntime, True), (MUTANTS["free_hit_uncharged"], False)):
+        pool = cls(config)
+        pool.allocate_slots(1, [1, 2, 3, 4, 5], 0, 5)
+        pool.free(1)
+        pool.allocate_slots(2, [9, 9, 9], 0, 3)
+        hit = pool.get_computed_blocks([1, 2, 3, 4, 5, 6, 7])
+        assert hit.num_tokens == 4
+        if refused:
+            with pytest.raises(OutOfMemory):
+                pool.allocate_slots(3, [1, 2, 3, 4, 5, 6, 7], 0, 3, hit)
+        else:
+            (blocks,) = pool.allocate_slots(3, [1, 2, 3, 4, 5, 6, 7], 0, 3, hit)
+            assert set(blocks) & set(hit.blocks[0]), blocks  # a block of its own hit handed out again
