@@ -465,9 +465,8 @@ class SWATokenToKVPoolAllocator:
             pages = torch.div(reps, p, rounding_mode="floor") if p > 1 else reps
             if group is None:
                 self.full_attn_allocator.release_pages(pages)
-            else:
-                self.full_attn_allocator.fill.index_fill_(0, pages, 0)  # no longer live: a second free is misuse
-                (group.full_ids if p > 1 else group.full_set).append(pages.clone())
+            else:  # P > 1: free_page_ids' pile; P == 1: free's (the token allocator frees the slots)
+                self._hold_full(pages, group.full_ids if p > 1 else group.full_set)
         self._epoch += 1
 
     def clear(self) -> None:
@@ -696,9 +695,14 @@ class SWATokenToKVPoolAllocator:
         if self._group is None:
             self.full_attn_allocator.release_pages(pages)
         elif pages.numel():
-            self.full_attn_allocator.fill.index_fill_(0, pages, 0)  # no longer live: a second free is misuse
-            self._group.full_set.append(pages.clone())
+            self._hold_full(pages, self._group.full_set)
         self._epoch += bool(pages.numel())
+
+    def _hold_full(self, pages: Tensor, pile: list[Tensor]) -> None:
+        """An open free group holds full ``pages`` back on ``pile`` (released when the group ends): no longer live
+        meanwhile, so a second free of them is misuse."""
+        self.full_attn_allocator.fill.index_fill_(0, pages, 0)
+        pile.append(pages.clone())
 
     def _check_mapping_values(self) -> None:
         """M1: sentinel, reserved page unmapped, values 0 or real SWA slots."""

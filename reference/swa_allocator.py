@@ -862,7 +862,7 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
         mapping, fill, full_owner = state.full_to_swa_index_mapping, state.fill, state.full.owner
         n_swa, swa_owner = state.swa.num_pages, state.swa.owner
         touched = sorted({f // p for f in free_index}) if p > 1 else list(free_index)
-        swa_pages, new_mapping, zeros = [], list(mapping), [0] * p
+        swa_pages: list[int] = []
         for g in touched:
             base = g * p
             for f in range(base, base + fill[g]):
@@ -874,9 +874,8 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
                 if not (1 <= h <= n_swa and swa_owner[h] is not None and swa_owner[h] == full_owner[g]):
                     raise InvariantViolation("M2", f"free_swa: SWA slot {s} of full slot {f} is not held by its owner")
                 swa_pages.append(h)
-            new_mapping[base:base + p] = zeros
         epoch += bool(swa_pages)
-        changes["full_to_swa_index_mapping"] = tuple(new_mapping)
+        changes["full_to_swa_index_mapping"] = _cleared(mapping, touched, p)
         if state.group is None:
             forget.append(_page_rows(state, "swa", swa_pages))
             changes["swa"] = release_pages(state.swa, swa_pages)
@@ -886,11 +885,8 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
             changes["group"], changes["swa"] = _hold(state.group, swa_ids=swa_pages), _disown(state.swa, swa_pages)
     if full:
         pages = [f // p for f in free_index]
-        new_fill = list(state.fill)
-        for g in pages:
-            new_fill[g] = 0
         epoch += bool(pages)
-        changes["fill"] = tuple(new_fill)
+        changes["fill"] = _cleared(state.fill, pages)
         if state.group is None:
             forget.append(_page_rows(state, "full", pages))
             changes["full"] = release_pages(state.full, pages)
@@ -898,6 +894,15 @@ def _release(state: SWAAllocatorState, free_index: Sequence[int], *, swa: bool, 
             changes["group"] = _hold(changes.get("group", state.group), full_set=pages)
             changes["full"] = _disown(state.full, pages)
     return _replace(state, **changes, kv=forget_rows(state.kv, *forget) if forget else state.kv, epoch=epoch)
+
+
+def _cleared(values: tuple[int, ...], pages: Iterable[int], width: int = 1) -> tuple[int, ...]:
+    """``values`` with the ``width`` entries of each page zeroed: the mapping of released full pages (``width`` P),
+    their fills (``width`` 1)."""
+    out = list(values)
+    for g in pages:
+        out[g * width:(g + 1) * width] = [0] * width
+    return tuple(out)
 
 
 def _disown(pool: PagedPool, pages: Iterable[int]) -> PagedPool:
@@ -1001,11 +1006,7 @@ def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start
     group, forget = state.group, []
     if swa:
         swa_pages = [mapping[r] // p for r in reps]
-        new_mapping = list(mapping)
-        for r in reps:
-            base = r - r % p
-            new_mapping[base:base + p] = [0] * p
-        changes["full_to_swa_index_mapping"] = tuple(new_mapping)
+        changes["full_to_swa_index_mapping"] = _cleared(mapping, [r // p for r in reps], p)
         if group is None:
             changes["swa"] = release_page_ids(state.swa, swa_pages)
             forget.append(_page_rows(state, "swa", swa_pages))
@@ -1014,10 +1015,7 @@ def _segment(state: SWAAllocatorState, op: str, free_index: Sequence[int], start
             changes["swa"] = _disown(state.swa, swa_pages)
     if full:
         pages = [r // p for r in reps]
-        new_fill = list(state.fill)
-        for g in pages:
-            new_fill[g] = 0
-        changes["fill"] = tuple(new_fill)
+        changes["fill"] = _cleared(state.fill, pages)
         if group is None:
             changes["full"] = release_page_ids(state.full, pages)
             forget.append(_page_rows(state, "full", pages))
