@@ -91,7 +91,7 @@ from kvproof.reference.errors import ConfigError, OutOfMemory
 from kvproof.reference.registry import Component
 
 __all__ = ["FULL_POOL_TOKENS", "INSTALL_HINT", "SGLANG_VERSION", "SGLangAdmission", "SGLangSchedulerModules",
-           "StandInTree", "load_sglang_scheduler", "sglang_available"]
+           "StandInTree", "load_sglang_scheduler", "publish_server_args", "sglang_available"]
 
 #: the Full pool's size: large enough that the Full budget (``total_tokens < remaining_total``) never binds
 FULL_POOL_TOKENS = 1 << 16
@@ -133,7 +133,7 @@ def load_sglang_scheduler() -> SGLangSchedulerModules:
     return _SCHED
 
 
-def _publish_server_args(page_size: int) -> None:
+def publish_server_args(page_size: int) -> None:
     """Publish a dummy server config once per page size, as upstream's unit tests do (``get_exec()`` needs one)."""
     if page_size in _PUBLISHED:
         return
@@ -304,7 +304,7 @@ class SGLangAdmission:
                               f"SGLang {SGLANG_VERSION}'s prefill adder is the upstream_0523 budget; got "
                               f"{c.policy.value} (run with --budget upstream_0523)")
         self.sg = load_sglang_scheduler()
-        _publish_server_args(c.page_size)
+        publish_server_args(c.page_size)
         self.version = f"sglang {self.sg.version}"
         self.setup, self.config, self.device = setup, c, torch.device(device)
         self.kvcache = self.sg.SWAKVPool(

@@ -103,9 +103,9 @@ class SGLangDecodeNode(SGLangSWAAllocator):
     def __init__(self, config: PoolConfig, device: str = "cpu") -> None:
         super().__init__(config, device)
         self.capabilities = self.capabilities | {Capability.DECODE_BUDGETS}
-        from kvproof.conformance.adapters.sglang_admission import _publish_server_args
+        from kvproof.conformance.adapters.sglang_admission import publish_server_args
 
-        _publish_server_args(config.page_size)
+        publish_server_args(config.page_size)
         self._decode, prefix_cache = import_sglang_modules("sglang.srt.disaggregation.decode",
                                                            "sglang.srt.mem_cache.base_prefix_cache")
         self.tree_cache = NothingEvictable(prefix_cache.EvictResult)

@@ -262,10 +262,10 @@ def reproduce_selection_pin_starves(rounds: int = 3) -> dict[str, Any]:
     """
     from array import array
 
-    from kvproof.conformance.adapters.sglang_admission import _publish_server_args, load_sglang_scheduler
+    from kvproof.conformance.adapters.sglang_admission import load_sglang_scheduler, publish_server_args
 
     sg = load_sglang_scheduler()
-    _publish_server_args(2)
+    publish_server_args(2)
 
     def one_round(tree: _PinTree) -> tuple[str, int, bool]:
         a = _sglang_allocator(size=1 << 12, size_swa=16, page_size=2)

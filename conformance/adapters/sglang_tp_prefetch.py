@@ -278,7 +278,7 @@ class SGLangRankWorker:
 
     def __init__(self, group: dict[str, Any], rank: int, world_size: int) -> None:
         from kvproof.conformance.adapters.sglang import import_sglang_modules, load_sglang
-        from kvproof.conformance.adapters.sglang_admission import _publish_server_args
+        from kvproof.conformance.adapters.sglang_admission import publish_server_args
 
         self.rank, self.world_size = rank, world_size
         self.P, self.W = int(group["page_size"]), int(group["sliding_window"])
@@ -290,7 +290,7 @@ class SGLangRankWorker:
         if self.consensus:  # read by @rank_consensus at SGLang's import time (utils/rank_consensus_checker.py:87)
             os.environ["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "1"
         sg = load_sglang()
-        _publish_server_args(self.P)
+        publish_server_args(self.P)
         (self.urc, cip, ctm, mp, rk, bpc, hs, hcc, base) = import_sglang_modules(
             "sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.cache_init_params",
             "sglang.srt.mem_cache.unified_cache.component_type", "sglang.srt.mem_cache.memory_pool",
