@@ -314,6 +314,11 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         out = self.call("allocate_slots", f"request {rid} (running, {len(tokens)} tokens, {computed} computed), "
                         f"{n} new", step, lambda: self.impl.allocate_slots(rid, tokens, computed, n))
         if out is None:
+            # vLLM's FCFS scheduler, when a step finds the pool short, preempts the last request of its running
+            # queue (the newest); readmitted while the pool is still tight, it hits its own blocks off the free
+            # queue (docs/block_pool.md R3)
+            if data.draw(st.booleans(), label="preempt_on_oom"):
+                self._free(max(self.running), "preempt")
             return
         (state, new), impl_new = out
         self.ref = self._compare_new(state, new, impl_new, step)
@@ -346,6 +351,10 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
             rid = data.draw(st.sampled_from(sorted(self.finished[-3:]) + sorted(self.waiting)), label="request")
         else:
             rid = data.draw(st.sampled_from(sorted(self.running)), label="request")
+        self._free(rid, kind)
+
+    def _free(self, rid: int, kind: str) -> None:
+        """``free`` on both sides; the scheduler's books follow ``kind`` (finish, preempt, idle)."""
         out = self.call("free", f"request {rid} ({kind})", lambda: (bp.free(self.ref, rid), None),
                         lambda: self.impl.free(rid))
         if out is None:
