@@ -282,9 +282,7 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
                        for g in self.groups)
             if need <= free:
                 continue
-            skipped = [bp.get_num_skipped_tokens(self.config, g, computed) // self.b for g in self.groups]
-            charged = sum(1 for g in self.groups for x in hit.blocks[g][skipped[g]:]
-                          if x != bp.NULL_BLOCK and state.ref_cnt[x] == 0)
+            charged = sum(bp.num_evictable_computed_blocks(state, g, hit.blocks[g], computed) for g in self.groups)
             return need - charged <= free
         return False
 

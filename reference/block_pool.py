@@ -67,6 +67,7 @@ __all__ = [
     "get_num_skipped_tokens",
     "initial_state",
     "max_admission_blocks_per_request",
+    "num_evictable_computed_blocks",
     "remove_skipped_blocks",
     "require_cache",
     "require_release",
@@ -208,13 +209,19 @@ def get_num_blocks_to_allocate(state: BlockPoolState, group: int, req: int, num_
     if cap is not None:
         required = min(required, cap)
     running = state.requests.get(req)
-    held = len(running.blocks[group]) if running is not None else 0
     if running is not None:
-        return max(required - held, 0)
+        return max(required - len(running.blocks[group]), 0)
     skipped = get_num_skipped_tokens(state.config, group, total_computed_tokens) // b
-    new = max(required - max(skipped, len(new_computed_blocks) + held), 0)
-    touched = new_computed_blocks[max(0, skipped - held):]
-    return new + sum(1 for x in touched if x != NULL_BLOCK and state.ref_cnt[x] == 0)
+    new = max(required - max(skipped, len(new_computed_blocks)), 0)
+    return new + num_evictable_computed_blocks(state, group, new_computed_blocks, total_computed_tokens)
+
+
+def num_evictable_computed_blocks(state: BlockPoolState, group: int, new_computed_blocks: Sequence[int],
+                                  total_computed_tokens: int) -> int:
+    """The hit blocks a waiting request joins (past those the window skips, not null) that have count 0: joining
+    takes them off the free queue, so they count against the free blocks (docs/block_pool.md R3)."""
+    skipped = get_num_skipped_tokens(state.config, group, total_computed_tokens) // state.config.block_size
+    return sum(1 for x in new_computed_blocks[skipped:] if x != NULL_BLOCK and state.ref_cnt[x] == 0)
 
 
 def block_key(group: int, tokens: Sequence[int], index: int, block_size: int) -> BlockKey:
