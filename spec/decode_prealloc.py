@@ -1141,7 +1141,7 @@ class RoundTerms:
         return z3.Or([self.crashes(i) for i in range(len(self.member))])
 
 
-def round_of(s: State, t: State, *, resume: bool, resume_room: bool = False) -> RoundTerms:
+def round_of(s: State, t: State, *, resume: bool, reserve_finish: bool | None = None) -> RoundTerms:
     """The admissions of one round (§2.5): members in queue order (slot order for the prealloc queue, stamp
     order for the retracted queue), head-of-line. A member's gate reads budgets recomputed from the pools
     after the earlier admissions (``CORRECTED``), or decremented by their unrounded requirements
@@ -1151,15 +1151,16 @@ def round_of(s: State, t: State, *, resume: bool, resume_room: bool = False) -> 
     Relational: whether an earlier member was admitted and preallocated is read from ``post`` (it runs
     now), so every member's gate is a term of the states, whatever the (symbolic) stamp order.
 
-    The resume round's budgets keep no "can finish" room (M1); ``resume_room=True`` keeps it, as the model did
-    before M1 (sglang_semantics.md §2.5's "the same budgets"): the drift test's wrong transition.
+    ``reserve_finish``: whether the budgets keep the "can finish" room; by default the pop round's do and the
+    resume round's do not (M1). A resume round that keeps it is the model before M1 (sglang_semantics.md §2.5's
+    "the same budgets"): the drift test's wrong transition.
     """
     k, batch, n = s.k, batch_of(s), len(s.slots)
     member = tuple(r.is_(RETRACTED if resume else QUEUED) for r in s.slots)
     ran = [z3.And(member[j], t.slots[j].is_(RUNNING)) for j in range(n)]
     pages = tuple(prealloc_pages_terms(k, r.req) for r in s.slots)
     unrounded = [required_tokens_terms(k, r.req, rounded=False) for r in s.slots]
-    room = not resume or resume_room
+    room = not resume if reserve_finish is None else reserve_finish
     b0 = budgets_terms(k, s.pools, batch, 0, count_retracted=not resume, reserve_finish=room)
     considered, budgets, admit, fits = [], [], [], []
     for i, r in enumerate(s.slots):
@@ -1183,9 +1184,10 @@ def round_of(s: State, t: State, *, resume: bool, resume_room: bool = False) -> 
     return RoundTerms(member, tuple(considered), tuple(budgets), tuple(admit), tuple(fits), pages)
 
 
-def _round(s: State, t: State, *, resume: bool, marks_tail: bool = True, resume_room: bool = False) -> z3.BoolRef:
+def _round(s: State, t: State, *, resume: bool, marks_tail: bool = True,
+           reserve_finish: bool | None = None) -> z3.BoolRef:
     """A round's relation: who runs now with which pages and mark, the pools, the crash flag."""
-    rnd = round_of(s, t, resume=resume, resume_room=resume_room)
+    rnd = round_of(s, t, resume=resume, reserve_finish=reserve_finish)
     facts = [z3.Not(s.crashed), t.clock == s.clock, t.crashed == rnd.crash]
     for i, (u, v) in enumerate(zip(s.slots, t.slots, strict=True)):
         (full, swa), runs = rnd.pages[i], rnd.runs(i)
@@ -1285,16 +1287,16 @@ def retract(s: State, a: Action, t: State, *, swa_by_length: bool = False) -> z3
 
 
 def resume_retracted_reqs(s: State, a: Action, t: State, *, marks_tail: bool = True,
-                          finish_room: bool = False) -> z3.BoolRef:
+                          reserve_finish: bool = False) -> z3.BoolRef:
     """``resume_retracted_reqs``: one round over the retracted queue in stamp order (§2.5): budgets without
     the retracted queue and without the "can finish" room (SGLang passes its budget functions no retractable
     counts: M1), the resume gate (both requirements within both budgets), ``_pre_alloc`` and
     ``load_cpu_copy``; the mark at the tail start of ``L``.
 
-    ``marks_tail=False``: the PR-era mark left at 0 (R6), as in ``pop_preallocated``. ``finish_room=True``: the
+    ``marks_tail=False``: the PR-era mark left at 0 (R6), as in ``pop_preallocated``. ``reserve_finish=True``: the
     budgets keep the "can finish" room, as this model did before M1 (stricter than SGLang, not unsafe).
     """
-    return _round(s, t, resume=True, marks_tail=marks_tail, resume_room=finish_room)
+    return _round(s, t, resume=True, marks_tail=marks_tail, reserve_finish=reserve_finish)
 
 
 def init(s: State) -> z3.BoolRef:

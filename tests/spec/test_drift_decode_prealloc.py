@@ -313,7 +313,7 @@ def test_the_samples_cover_every_branch() -> None:
 @pytest.mark.parametrize(("op", "wrong"), [
     ("pop_preallocated", functools.partial(spec.pop_preallocated, marks_tail=False)),  # the PR era, R6
     ("retract", functools.partial(spec.retract, swa_by_length=True)),
-    ("resume_retracted_reqs", functools.partial(spec.resume_retracted_reqs, finish_room=True)),  # before M1
+    ("resume_retracted_reqs", functools.partial(spec.resume_retracted_reqs, reserve_finish=True)),  # before M1
 ])
 def test_a_wrong_transition_rejects_sampled_steps(op: str, wrong: Callable[..., z3.BoolRef]) -> None:
     system = SYSTEM.with_transitions(**{op: wrong})
