@@ -30,8 +30,9 @@ from kvproof.reference.tp_prefetch import (
     check_prefetch_progress,
 )
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                reason="SGLang is not installed in this environment (make sglang: .venv-sglang)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                 reason="SGLang is not installed in this environment (make sglang: .venv-sglang)"),
+              pytest.mark.xdist_group("ranks")]  # rank processes: one worker at a time on the 2-core machine
 
 PHASES = ("sync_prefetch_hit_query", "page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack",
           "handle_prefetch_result", "snapshot")
