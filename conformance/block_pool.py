@@ -252,7 +252,8 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         self._compare_hit(req, mine, theirs)
         joined = self._followed_hit(req, mine, theirs)
         hit = mine.num_tokens
-        n = data.draw(st.one_of(st.just(len(tokens) - hit), st.integers(1, len(tokens) - hit)), label="chunk")
+        n = data.draw(st.one_of(st.just(len(tokens) - hit), st.just(self._edge_chunk(req.rid, tokens, joined)),
+                                st.integers(1, len(tokens) - hit)), label="chunk")
         must_fit = data.draw(st.booleans(), label="full_sequence_must_fit")
         step = functools.partial(bp.allocate_slots, self.ref, req.rid, tokens, 0, n, joined, must_fit)
         out = self.call("allocate_slots", f"request {req.rid} (waiting, {len(tokens)} tokens, hit {hit}), "
@@ -270,21 +271,36 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         self.running[req.rid] = req
         self._write_kv(req, hit, hit + n)
 
+    def _edge_chunk(self, rid: int, tokens: list[int], hit: bp.Hit) -> int:
+        """The pool's edge for an admission: the longest first chunk whose new blocks, the hit's free blocks not
+        counted, fit the free blocks (1 if none does). When the hit joins free blocks, the reference refuses it
+        exactly when those blocks tip it over: the boundary of docs/block_pool.md R3."""
+        room = len(self.ref.free) + self._charged(hit)
+        return next((n for n in range(len(tokens) - hit.num_tokens, 0, -1)  # the count grows with the chunk
+                     if self._needed(rid, hit.num_tokens + n, hit, capped=False) <= room), 1)
+
     def _refused_for_free_hit(self, rid: int, tokens: list[int], n: int, hit: bp.Hit, must_fit: bool) -> bool:
         """Whether the reference refused this admission only because the hit blocks it would join are free (count 0:
-        joining takes them off the free queue, ``num_evictable_computed_blocks``): the gate that refused has room for
-        the new blocks alone. The boundary a capacity count without that charge gets wrong."""
-        state, computed = self.ref, hit.num_tokens
-        free = len(state.free)
+        joining takes them off the free queue, ``num_evictable_computed_blocks``): a gate refused, and every gate has
+        room for the new blocks alone. The boundary a capacity count without that charge gets wrong."""
+        free, charged = len(self.ref.free), self._charged(hit)
         gates = [(min(len(tokens), self.config.max_model_len), True)] if must_fit else []
-        for num_tokens, capped in (*gates, (computed + n, False)):
-            need = sum(bp.get_num_blocks_to_allocate(state, g, rid, num_tokens, hit.blocks[g], computed, capped)
-                       for g in self.groups)
-            if need <= free:
-                continue
-            charged = sum(bp.num_evictable_computed_blocks(state, g, hit.blocks[g], computed) for g in self.groups)
-            return need - charged <= free
-        return False
+        refused = False
+        for num_tokens, capped in (*gates, (hit.num_tokens + n, False)):
+            need = self._needed(rid, num_tokens, hit, capped=capped)
+            if need - charged > free:
+                return False  # refused without the charge too
+            refused = refused or need > free
+        return refused
+
+    def _needed(self, rid: int, num_tokens: int, hit: bp.Hit, *, capped: bool) -> int:
+        """The reference's count of blocks an admission with ``hit`` needs for ``num_tokens`` (every group)."""
+        return sum(bp.get_num_blocks_to_allocate(self.ref, g, rid, num_tokens, hit.blocks[g], hit.num_tokens, capped)
+                   for g in self.groups)
+
+    def _charged(self, hit: bp.Hit) -> int:
+        """The hit's blocks of count 0, which joining it takes off the free queue (every group)."""
+        return sum(bp.num_evictable_computed_blocks(self.ref, g, hit.blocks[g], hit.num_tokens) for g in self.groups)
 
     def _extend(self, data: Any) -> None:
         """The next step of a running request: a prefill chunk, or a decode (the sampled token appended first)."""
