@@ -191,3 +191,25 @@ def test_free_hit_uncharged_differs() -> None:
         else:
             (blocks,) = pool.allocate_slots(3, [1, 2, 3, 4, 5, 6, 7], 0, 3, hit)
             assert set(blocks) & set(hit.blocks[0]), blocks  # a block of its own hit handed out again
+
+
+def test_the_r3_boundary_is_counted_exactly_where_a_count_without_the_charge_diverges() -> None:
+    """The structure dimension "admission refused for its hit's free blocks" says the run reached the boundary that
+    free_hit_uncharged gets wrong. The mutant behaves as the runtime until that boundary, so under the same examples
+    it must be killed on exactly the configs where the runtime's run counts it (a count that also took refusals the
+    charge did not decide would name configs where the mutant survives), and on at least one."""
+    dim = "admission refused for its hit's free blocks"
+    reached, killed = set(), set()
+    for config in BLOCK_POOL_CONFIGS:
+        runtime = run_check("block_pool", BlockPoolRuntime, config, profile="ci", impl_name="runtime",
+                            failures_dir=None, isolation="in-process")
+        assert runtime.passed, runtime.failure
+        mutant = run_check("block_pool", MUTANTS["free_hit_uncharged"], config, profile="ci",
+                           impl_name="mutant free_hit_uncharged", failures_dir=None, isolation="in-process")
+        if runtime.structure.get(dim, 0):
+            reached.add(config.label())
+        if not mutant.passed:
+            assert "LockstepFailure" in (mutant.failure or ""), mutant.failure
+            killed.add(config.label())
+    assert reached, f"no config reaches {dim!r}"
+    assert reached == killed, f"{dim!r} reached on {sorted(reached)}; the mutant killed on {sorted(killed)}"
