@@ -294,9 +294,8 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         return refused
 
     def _needed(self, rid: int, num_tokens: int, hit: bp.Hit, *, capped: bool) -> int:
-        """The reference's count of blocks an admission with ``hit`` needs for ``num_tokens`` (every group)."""
-        return sum(bp.get_num_blocks_to_allocate(self.ref, g, rid, num_tokens, hit.blocks[g], hit.num_tokens, capped)
-                   for g in self.groups)
+        """The reference's count of blocks an admission with ``hit`` needs for ``num_tokens``."""
+        return bp.coordinator_get_num_blocks_to_allocate(self.ref, rid, num_tokens, hit.blocks, hit.num_tokens, capped)
 
     def _charged(self, hit: bp.Hit) -> int:
         """The hit's blocks of count 0, which joining it takes off the free queue (every group)."""

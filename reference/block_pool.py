@@ -58,6 +58,7 @@ __all__ = [
     "check_block_pool",
     "check_snapshot",
     "contiguous_blocks_for_hit",
+    "coordinator_get_num_blocks_to_allocate",
     "evict_blocks",
     "free",
     "get_block_ids",
@@ -214,6 +215,17 @@ def get_num_blocks_to_allocate(state: BlockPoolState, group: int, req: int, num_
     skipped = get_num_skipped_tokens(state.config, group, total_computed_tokens) // b
     new = max(required - max(skipped, len(new_computed_blocks)), 0)
     return new + num_evictable_computed_blocks(state, group, new_computed_blocks, total_computed_tokens)
+
+
+def coordinator_get_num_blocks_to_allocate(state: BlockPoolState, req: int, num_tokens: int,
+                                           hit_blocks: Sequence[Sequence[int]], total_computed_tokens: int,
+                                           apply_admission_cap: bool = False) -> int:
+    """Blocks ``allocate_slots`` takes from the free queue in all (``KVCacheCoordinator.get_num_blocks_to_allocate``,
+    docs/block_pool.md §3.4): :func:`get_num_blocks_to_allocate` summed over the groups, ``hit_blocks`` per group.
+    The count each of ``allocate_slots``' gates compares with the free queue (Z3:
+    ``get_num_blocks_to_allocate.sum_leaves_the_queue``)."""
+    return sum(get_num_blocks_to_allocate(state, g, req, num_tokens, hit_blocks[g], total_computed_tokens,
+                                          apply_admission_cap) for g in state.config.groups)
 
 
 def num_evictable_computed_blocks(state: BlockPoolState, group: int, new_computed_blocks: Sequence[int],
@@ -390,8 +402,9 @@ def allocate_slots(state: BlockPoolState, req: int, tokens: Sequence[int], num_c
     A waiting request (not running) starts at ``num_computed_tokens == 0`` and may adopt ``hit`` (the current
     ``get_computed_blocks`` answer); with ``full_sequence_must_fit`` the admission gate first asks for the whole
     sequence, the sliding-window group capped by :func:`max_admission_blocks_per_request`. Then the out-of-window
-    blocks are released (:func:`remove_skipped_blocks`), what every group needs is summed and compared with the
-    free queue (:class:`OutOfMemory`, nothing changed), the hit is joined, new blocks are taken group by group,
+    blocks are released (:func:`remove_skipped_blocks`), what every group needs is summed
+    (:func:`coordinator_get_num_blocks_to_allocate`) and compared with the free queue (:class:`OutOfMemory`,
+    nothing changed), the hit is joined, new blocks are taken group by group,
     the computed tokens written, and the full blocks cached (:func:`cache_blocks`).
 
     ``take`` (per group, the blocks to hand out instead of the free queue's front ones: ``InvalidOperation`` unless
@@ -412,14 +425,13 @@ def allocate_slots(state: BlockPoolState, req: int, tokens: Sequence[int], num_c
     hit_blocks = hit.blocks if hit is not None else ((),) * len(groups)
     if full_sequence_must_fit:
         whole = min(len(tokens), cfg.max_model_len)
-        need = sum(get_num_blocks_to_allocate(state, g, req, whole, hit_blocks[g], computed, apply_admission_cap=True)
-                   for g in groups)
+        need = coordinator_get_num_blocks_to_allocate(state, req, whole, hit_blocks, computed, apply_admission_cap=True)
         if need > len(state.free):
             raise OutOfMemory(op, "block", need, len(state.free), request=req)
     released = remove_skipped_blocks(state, req, computed) if running is not None else state
     if running is not None:  # the release nulls blocks of the request's lists in place (vLLM's req_to_blocks)
         running = released.requests[req]
-    need = sum(get_num_blocks_to_allocate(released, g, req, total, hit_blocks[g], computed) for g in groups)
+    need = coordinator_get_num_blocks_to_allocate(released, req, total, hit_blocks, computed)
     if need > len(released.free):
         raise OutOfMemory(op, "block", need, len(released.free), request=req)
     pool = _Pool(released)
