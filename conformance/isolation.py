@@ -14,9 +14,12 @@ and returns its result, or a :class:`Crash` when the child did not deliver one:
   shared memory (no system call): the parent kills a call that has not returned within
   the per-call timeout (plus :data:`GRACE`) -- the factory included, and whatever the call
   does with the alarm the child raises first;
-* before each call it sends what changed since the last one (trace lines, recorded
-  vector steps) over a pipe, so the parent holds the operations so far and a replayable
-  vector of the current example when the child dies;
+* before each call it appends what changed since the last one (trace lines, recorded
+  vector steps) to an event log in shared memory (:data:`LOG_BYTES`; no system call, and
+  the parent does no work for it while the child lives): the parent reads it when the child
+  dies, hangs or exceeds its memory, and so holds the operations so far and a replayable
+  vector of the current example. The log restarts with each example; an example that
+  outgrows it has its older records sent over the pipe first (nothing is dropped);
 * the parent reads the child's resident memory every :data:`POLL` seconds and kills it
   when it grew by more than the limit (``memory_limit_mb``; 0: no limit);
 * the child's stdout and stderr go to a file (nothing it prints interleaves with the
@@ -41,6 +44,7 @@ import faulthandler
 import gc
 import mmap
 import os
+import pickle
 import signal
 import struct
 import sys
@@ -74,6 +78,10 @@ T = TypeVar("T")
 _notes: Connection | None = None
 _CALL = struct.Struct("<dH")  # entered at (monotonic seconds, 0: no call in progress), length of what
 _WHAT = 200  # bytes of the call's name kept
+#: Bytes of the child's event log (shared memory; pages are touched only as an example's records fill them).
+LOG_BYTES = 4 << 20
+_LOG_HEAD = struct.Struct("<QQ")  # end of the last complete record, examples begun
+_RECORD = struct.Struct("<I")  # a record's length, then the pickled (new example?, trace journal, vector steps)
 
 
 @dataclass
@@ -102,16 +110,18 @@ class _Outcome(Generic[T]):
     trace: Trace = field(default_factory=Trace)
     vector: list[dict[str, Any]] = field(default_factory=list)
     examples: int = 0
+    log_read: bool = False  # the child's event log is folded in (once: it is gone then)
     on_note: Callable[[tuple[Any, ...]], None] | None = None
 
 
 class _Reporter:
     """The child's side (a :class:`~kvproof.conformance.lockstep.CallMonitor`): calls to shared memory, changes
-    of the trace and the vector to the pipe, before each call."""
+    of the trace and the vector to the event log, before each call."""
 
-    def __init__(self, conn: Connection, shared: mmap.mmap) -> None:
-        self.conn, self.shared = conn, shared
+    def __init__(self, conn: Connection, shared: mmap.mmap, log: mmap.mmap) -> None:
+        self.conn, self.shared, self.log = conn, shared, log
         self.depth, self.new_example, self.sent_steps, self.sent_draws = 0, False, 0, -1
+        self.end, self.examples = _LOG_HEAD.size, 0  # where the next record goes; examples begun
         self.machine: Lockstep[Any, Any] | None = None
 
     def example(self, machine: Lockstep[Any, Any]) -> None:
@@ -142,12 +152,36 @@ class _Reporter:
             steps = (start, vector[start:])
             self.sent_steps, self.sent_draws = len(vector), draws
         if journal or steps is not None or self.new_example:
-            try:
-                self.conn.send(("events", self.new_example, list(journal), steps))
-            except OSError:  # the parent is gone: so is the point of going on
-                os._exit(1)
+            self._append(pickle.dumps((self.new_example, list(journal), steps), pickle.HIGHEST_PROTOCOL))
             journal.clear()
             self.new_example = False
+
+    def _append(self, record: bytes) -> None:
+        """One record into the log, committed (the head's end moved past it) only once it is whole: a child killed
+        while writing leaves the log as it was. A new example starts the log over; a record that does not fit
+        sends the log's records so far over the pipe first (the parent applies them before the log)."""
+        log, size = self.log, _RECORD.size + len(record)
+        if self.new_example:
+            self.end = _LOG_HEAD.size
+            self.examples += 1
+        if self.end + size > len(log):
+            if self.end > _LOG_HEAD.size:
+                self._send(("log", bytes(log[_LOG_HEAD.size:self.end])))
+                self.end = _LOG_HEAD.size
+            if self.end + size > len(log):  # larger than the whole log: it goes over the pipe
+                self._send(("log", _RECORD.pack(len(record)) + record))
+                _LOG_HEAD.pack_into(log, 0, self.end, self.examples)
+                return
+        _RECORD.pack_into(log, self.end, len(record))
+        log[self.end + _RECORD.size:self.end + size] = record
+        self.end += size
+        _LOG_HEAD.pack_into(log, 0, self.end, self.examples)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:  # the parent is gone: so is the point of going on
+            os._exit(1)
 
 
 def notify(*message: Any) -> None:
@@ -182,7 +216,8 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output: int, parent: int) -> None:
+def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, log: mmap.mmap, output: int,
+           parent: int) -> None:
     """Run ``work`` and send its result; never returns (``os._exit``)."""
     global _notes
     _notes = conn
@@ -198,7 +233,7 @@ def _child(work: Callable[[], Any], conn: Connection, shared: mmap.mmap, output:
         if torch is not None:  # OpenMP's thread team does not survive fork(): a parallel region would hang
             torch.set_num_threads(1)
         faulthandler.enable(file=sys.stderr)
-        set_monitor(_Reporter(conn, shared))
+        set_monitor(_Reporter(conn, shared, log))
         result = work()
         conn.send(("done", result))
     except BaseException as err:  # noqa: BLE001 - handed to the parent, which decides what it means
@@ -263,6 +298,7 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     ``BaseException`` that is not an ``Exception`` (``SystemExit`` outside any watched call) is a crash.
     """
     shared = mmap.mmap(-1, _CALL.size + _WHAT)
+    log = mmap.mmap(-1, LOG_BYTES)
     reader, writer = Pipe(duplex=False)
     output = tempfile.TemporaryFile()  # noqa: SIM115 - the child writes it; closed below, after the crash read
     for stream in (sys.stdout, sys.stderr):
@@ -273,13 +309,13 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child (measured through the parent)
         reader.close()
-        _child(work, writer, shared, output.fileno(), parent)
+        _child(work, writer, shared, log, output.fileno(), parent)
     gc.unfreeze()
     writer.close()
     out: _Outcome[T] = _Outcome(on_note=on_note)
     status: int | None = None
     try:
-        status = _supervise(pid, reader, shared, out, op_timeout, memory_limit_mb)
+        status = _supervise(pid, reader, shared, log, out, op_timeout, memory_limit_mb)
     except BaseException:
         _kill(pid)
         raise
@@ -290,6 +326,7 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     try:
         if out.done:
             return out.result  # type: ignore[return-value]
+        _read_log(log, out)  # the child is gone (reaped): what its current example did is all in the log
         if out.error is not None:
             if isinstance(out.error, Exception):
                 raise out.error
@@ -305,6 +342,7 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     finally:
         output.close()
         shared.close()
+        log.close()
 
 
 def _what(shared: mmap.mmap) -> str:
@@ -324,8 +362,8 @@ def _kill(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _supervise(pid: int, reader: Connection, shared: mmap.mmap, out: _Outcome[Any], op_timeout: float | None,
-               memory_limit_mb: int) -> int:
+def _supervise(pid: int, reader: Connection, shared: mmap.mmap, log: mmap.mmap, out: _Outcome[Any],
+               op_timeout: float | None, memory_limit_mb: int) -> int:
     """Read the child's messages until it delivers or ends; kill it on a deadline or the memory limit.
 
     Returns the child's wait status (it is reaped).
@@ -364,6 +402,7 @@ def _supervise(pid: int, reader: Connection, shared: mmap.mmap, out: _Outcome[An
                 os.kill(pid, signal.SIGKILL)
             status = os.waitpid(pid, 0)[1]
             _drain(reader, out)
+            _read_log(log, out)
             out.crash = Crash(verdict[0], verdict[1], what, out.trace, out.vector, out.examples, "")
             return status
 
@@ -371,13 +410,8 @@ def _supervise(pid: int, reader: Connection, shared: mmap.mmap, out: _Outcome[An
 def _apply(message: tuple[Any, ...], out: _Outcome[Any]) -> bool:
     """Fold one message of the child into ``out``; ``True`` when it is the last (a result or an error)."""
     kind = message[0]
-    if kind == "events":
-        _, new_example, journal, steps = message
-        if new_example:
-            out.trace, out.vector, out.examples = Trace(), [], out.examples + 1
-        out.trace.repeat(journal)
-        if steps is not None:
-            out.vector[steps[0]:] = steps[1]
+    if kind == "log":
+        _apply_records(message[1], 0, len(message[1]), out)
         return False
     if kind == "note":
         if out.on_note is not None:
@@ -388,6 +422,31 @@ def _apply(message: tuple[Any, ...], out: _Outcome[Any]) -> bool:
     elif kind == "error":
         out.error = message[1]
     return True
+
+
+def _apply_records(buffer: Any, start: int, end: int, out: _Outcome[Any]) -> None:
+    """Fold the event records in ``buffer[start:end]`` into ``out`` (the current example's trace and vector)."""
+    while start < end:
+        (length,) = _RECORD.unpack_from(buffer, start)
+        start += _RECORD.size
+        new_example, journal, steps = pickle.loads(buffer[start:start + length])
+        start += length
+        if new_example:
+            out.trace, out.vector = Trace(), []
+        out.trace.repeat(journal)
+        if steps is not None:
+            out.vector[steps[0]:] = steps[1]
+
+
+def _read_log(log: mmap.mmap, out: _Outcome[Any]) -> None:
+    """The records of the child's event log (after those it sent over the pipe), and the examples it began."""
+    if out.log_read:
+        return
+    out.log_read = True
+    end, examples = _LOG_HEAD.unpack_from(log, 0)
+    if end:  # 0: the child never wrote one
+        _apply_records(log, _LOG_HEAD.size, end, out)
+        out.examples = examples
 
 
 def _drain(reader: Connection, out: _Outcome[Any]) -> None:

@@ -116,3 +116,14 @@ class RaisesKeyboardInterrupt(SWATokenToKVPoolAllocator):
 
     def alloc_extend(self, *args, **kwargs):
         raise KeyboardInterrupt
+
+
+class ExitsOnThirdExtend(SWATokenToKVPoolAllocator):
+    """Conforms until its third ``alloc_extend``, then ends the process: a crash after several steps, whose report
+    must hold every operation before it."""
+
+    def alloc_extend(self, *args, **kwargs):
+        self.extends = getattr(self, "extends", 0) + 1
+        if self.extends == 3:
+            os._exit(7)
+        return super().alloc_extend(*args, **kwargs)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from kvproof.conformance import isolation
 from kvproof.conformance.check import replay_vector, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.isolation import Crash, run_isolated
@@ -172,6 +173,28 @@ def test_run_check_crash_report_has_the_operations_and_a_replayable_vector() -> 
     again = replay_vector(report.vector, impls.HardExit7, op_timeout=2)
     assert again.failure and "exited with code 7 during alloc_extend" in again.failure
     assert replay_vector(report.vector, SWATokenToKVPoolAllocator).passed
+    assert _children() == []
+
+
+@pytest.mark.parametrize("log_bytes", [isolation.LOG_BYTES, 400, 24], ids=["default", "overflows", "no_record_fits"])
+def test_a_crash_report_is_whole_whatever_the_event_log_holds(monkeypatch: pytest.MonkeyPatch, log_bytes: int
+                                                              ) -> None:
+    """The child's trace and vector reach the parent through its event log; an example that outgrows the log has its
+    older records sent over the pipe first, and a record larger than the whole log goes over the pipe alone: the
+    crash report (operations, vector, examples) is the same as with the default log."""
+    def crash() -> tuple[str, dict | None, int]:
+        report = run_check("swa_allocator", impls.ExitsOnThirdExtend, CONFIG, profile="dev", failures_dir=None,
+                           op_timeout=2)
+        assert not report.passed and "exited with code 7 during alloc_extend" in (report.failure or "")
+        return report.failure or "", report.vector, report.examples
+
+    whole = crash()
+    monkeypatch.setattr(isolation, "LOG_BYTES", log_bytes)
+    assert crash() == whole
+    operations = whole[0].split("operations so far:")[1]
+    assert operations.count("alloc_extend(") >= 3, operations
+    again = replay_vector(whole[1], impls.ExitsOnThirdExtend, op_timeout=2)
+    assert again.failure and "exited with code 7 during alloc_extend" in again.failure
     assert _children() == []
 
 
