@@ -7,7 +7,8 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   default mode) and under the breadth driver (``kvproof fuzz --mode breadth``: the same rules and checks), on one
   core (one torch thread), the best of three alternating runs of each, and their ratio;
 * ``kvproof fuzz`` throughput: lockstep steps/s of a campaign over the ``swa_allocator`` slices with one worker
-  and with one per core (each for the same wall-clock budget, in a scratch directory), and their ratio;
+  and with one per core (each for the same wall-clock budget, in a scratch directory), and their ratio; and of one
+  worker in the breadth mode, against one in the default mode;
 * runtime throughput: ``alloc_extend`` (one request, 0 -> n tokens, n in 1..64) +
   ``free`` pairs per second at page size 1 and 4, on the runtime's default device,
   and the same pairs on the pure-Python reference over the same 16k-token pool;
@@ -449,6 +450,7 @@ def _swa_allocator(quick: bool) -> Section:
     fuzz_s = 8.0 if quick else 30.0
     fuzz_one, _ = fuzz_steps_per_second(1, fuzz_s)
     fuzz_all, _ = fuzz_steps_per_second(cores, fuzz_s)
+    fuzz_breadth, _ = fuzz_steps_per_second(1, fuzz_s, engine="breadth")
     direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
     isolated_steps_per_s, _ = lockstep_steps_per_second(examples, isolation="process")
     start_ms = isolation_start_ms(5 if quick else 20)
@@ -469,6 +471,9 @@ def _swa_allocator(quick: bool) -> Section:
             f"{1e6 / steps_per_s / floor:.2f}x",
         f"kvproof fuzz steps/s, 1 worker / {cores} workers ({fuzz_s:g} s each)": f"{fuzz_one:,.0f} / {fuzz_all:,.0f}",
         f"kvproof fuzz {cores} workers / 1 worker (ideal {cores}x)": f"{fuzz_all / fuzz_one:.2f}x",
+        "kvproof fuzz --mode breadth steps/s, 1 worker (a campaign: process-isolated, saved failures)":
+            f"{fuzz_breadth:,.0f}",
+        "kvproof fuzz --mode breadth / hypothesis, 1 worker": f"{fuzz_breadth / fuzz_one:.2f}x",
         "lockstep steps/s without the per-op watchdog / with it": f"{direct_steps_per_s / steps_per_s:.2f}x",
         "lockstep steps/s process-isolated (one child per config)": f"{isolated_steps_per_s:,.0f}",
         "lockstep steps/s in-process / process-isolated": f"{steps_per_s / isolated_steps_per_s:.2f}x",
@@ -480,7 +485,8 @@ def _swa_allocator(quick: bool) -> Section:
                                                                             ("breadth", breadth))
                   for part in ("implementation", "reference", "checks", "driver")},
                "fuzz_one_worker_steps_per_s": fuzz_one, "fuzz_all_workers_steps_per_s": fuzz_all,
-               "fuzz_scaling": fuzz_all / fuzz_one,
+               "fuzz_scaling": fuzz_all / fuzz_one, "fuzz_breadth_steps_per_s": fuzz_breadth,
+               "fuzz_breadth_vs_hypothesis": fuzz_breadth / fuzz_one,
                "watchdog_cost": direct_steps_per_s / steps_per_s, "isolated_steps_per_s": isolated_steps_per_s,
                "isolation_cost": steps_per_s / isolated_steps_per_s, "isolation_start_ms": start_ms})
     note = _sglang_rows(out.rows, quick)

@@ -15,7 +15,8 @@ def test_bench_quick_reports_every_measure() -> None:
                             "isolation_start_ms", "tp_sync_ms_2", "tp_sync_ms_4", "tp_check_ms_2", "tp_check_ms_4",
                             "tp_lockstep_prefetches_per_s", "tp_lockstep_steps_per_s", "breadth_steps_per_s",
                             "breadth_vs_hypothesis", "fuzz_one_worker_steps_per_s", "fuzz_all_workers_steps_per_s",
-                            "fuzz_scaling", "block_pool_steps_per_s", "block_pool_reference_steps_per_s",
+                            "fuzz_scaling", "fuzz_breadth_steps_per_s", "fuzz_breadth_vs_hypothesis",
+                            "block_pool_steps_per_s", "block_pool_reference_steps_per_s",
                             "block_pool_vs_reference", "block_pool_lockstep_steps_per_s", "breadth_bound",
                             *(f"{mode}_us_{part}" for mode in ("hypothesis", "breadth")
                               for part in ("implementation", "reference", "checks", "driver"))}
@@ -33,7 +34,7 @@ def test_bench_quick_reports_every_measure() -> None:
     assert "tp_prefetch hit sync per prefetch, 2 / 4 ranks (ms)" in text
     assert "us per step, breadth mode: implementation / reference / checks / driver" in text
     assert "breadth / hypothesis mode steps/s (one core)" in text and "kvproof fuzz steps/s, 1 worker / " in text
-    assert "workers / 1 worker (ideal" in text
+    assert "workers / 1 worker (ideal" in text and "kvproof fuzz --mode breadth / hypothesis, 1 worker" in text
     assert "block_pool scheduler steps/s" in text and "block_pool lockstep steps/s" in text
 
 
