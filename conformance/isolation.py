@@ -110,7 +110,6 @@ class _Outcome(Generic[T]):
     trace: Trace = field(default_factory=Trace)
     vector: list[dict[str, Any]] = field(default_factory=list)
     examples: int = 0
-    log_read: bool = False  # the child's event log is folded in (once: it is gone then)
     on_note: Callable[[tuple[Any, ...]], None] | None = None
 
 
@@ -326,15 +325,15 @@ def run_isolated(work: Callable[[], T], *, op_timeout: float | None, memory_limi
     try:
         if out.done:
             return out.result  # type: ignore[return-value]
+        if out.crash is not None:  # killed by _supervise, which read the log then
+            out.crash.output = _tail(output)
+            return out.crash
         _read_log(log, out)  # the child is gone (reaped): what its current example did is all in the log
         if out.error is not None:
             if isinstance(out.error, Exception):
                 raise out.error
             return _crash(out, "escaped", f"raised {out.error!r} outside any implementation call: an "
                                           "implementation may not exit the process", "", output)
-        if out.crash is not None:
-            out.crash.output = _tail(output)
-            return out.crash
         what = _what(shared)
         death = _death(status if status is not None else 0)
         during = f"during {what}" if what else "between implementation calls"
@@ -439,10 +438,8 @@ def _apply_records(buffer: Any, start: int, end: int, out: _Outcome[Any]) -> Non
 
 
 def _read_log(log: mmap.mmap, out: _Outcome[Any]) -> None:
-    """The records of the child's event log (after those it sent over the pipe), and the examples it began."""
-    if out.log_read:
-        return
-    out.log_read = True
+    """The records of the child's event log (after those it sent over the pipe), and the examples it began; read
+    once, when the child is gone."""
     end, examples = _LOG_HEAD.unpack_from(log, 0)
     if end:  # 0: the child never wrote one
         _apply_records(log, _LOG_HEAD.size, end, out)
