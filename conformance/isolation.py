@@ -121,10 +121,9 @@ class _Reporter:
         self.conn, self.shared, self.log = conn, shared, log
         self.depth, self.new_example, self.sent_steps, self.sent_draws = 0, False, 0, -1
         self.end, self.examples = _LOG_HEAD.size, 0  # where the next record goes; examples begun
-        self.machine: Lockstep[Any, Any] | None = None
 
     def example(self, machine: Lockstep[Any, Any]) -> None:
-        self.machine, self.new_example, self.sent_steps, self.sent_draws = machine, True, 0, -1
+        self.new_example, self.sent_steps, self.sent_draws = True, 0, -1
 
     def enter(self, what: str, machine: Lockstep[Any, Any] | None) -> None:
         self.depth += 1
