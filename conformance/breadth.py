@@ -18,9 +18,10 @@ the same examples.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvproof.conformance.generation import sample
@@ -39,6 +40,13 @@ class Swarm:
 
     weights: dict[str, float]
     edge: float
+    #: the rules, and their weights accumulated (what ``random.choices`` would accumulate at every draw)
+    rules: tuple[str, ...] = field(init=False)
+    cumulative: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.weights))
+        object.__setattr__(self, "cumulative", tuple(itertools.accumulate(self.weights.values())))
 
 
 def swarm(rng: random.Random, rules: Sequence[str]) -> Swarm:
@@ -83,14 +91,20 @@ def _step(machine: Lockstep[Any, Any], rule: str, rng: random.Random, edge: floa
 def _choose(machine: Lockstep[Any, Any], config: Swarm, rng: random.Random) -> str | None:
     """A rule of the swarm drawn by weight among those enabled now (``None``: none is), by rejection: draw by weight
     over the rules not yet rejected this step, keep the first whose precondition holds. The same distribution as a
-    weighted draw over the enabled rules, at the price of usually one precondition instead of all of them."""
-    rules, weights = list(config.weights), list(config.weights.values())
-    while rules:
+    weighted draw over the enabled rules, at the price of usually one precondition instead of all of them. The first
+    draw takes the swarm's accumulated weights (``random.choices`` draws the same rule from them as from the
+    weights, without accumulating them again)."""
+    i = rng.choices(range(len(config.rules)), cum_weights=config.cumulative)[0]
+    if _enabled(machine, config.rules[i]):
+        return config.rules[i]
+    rules, weights = list(config.rules), list(config.weights.values())
+    while True:
+        del rules[i], weights[i]
+        if not rules:
+            return None
         i = rng.choices(range(len(rules)), weights=weights)[0]
         if _enabled(machine, rules[i]):
             return rules[i]
-        del rules[i], weights[i]
-    return None
 
 
 def drive(machine: Callable[[], Lockstep[Any, Any]], *, seed: int, examples: int, steps: int,

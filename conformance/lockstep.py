@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import queue
 import signal
 import threading
@@ -234,11 +235,42 @@ class _Worker:
 
 _worker: _Worker | None = None
 _watched = 0  # depth of watched calls on the main thread (a nested call runs inside the outer deadline)
-_scoped = 0  # depth of deadline scopes: while > 0, SIGALRM's handler is ours and each call only arms the timer
+_scoped = 0  # depth of deadline scopes: while > 0, SIGALRM's handler is the lazy one and calls arm the timer lazily
+#: inside a scope: when the watched call in progress must have returned (``time.monotonic``; ``None``: no call), and
+#: when the armed timer fires (``None``: not armed)
+_call_deadline: float | None = None
+_armed_until: float | None = None
 
 
 def _alarm(signum: int, frame: Any) -> None:
     raise OperationTimeout("no return within the per-operation timeout")
+
+
+def _lazy_alarm(signum: int, frame: Any) -> None:
+    """A scope's ``SIGALRM`` handler: the timer was armed by some earlier call and may fire after that call returned.
+    Outside a call it does nothing (the next call arms it again); inside a call whose deadline is still ahead it
+    re-arms for what is left; past that deadline it raises, in the hung call."""
+    global _armed_until
+    _armed_until = None
+    deadline = _call_deadline
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left > 0:
+        signal.setitimer(signal.ITIMER_REAL, left)
+        _armed_until = deadline
+        return
+    raise OperationTimeout("no return within the per-operation timeout")
+
+
+def _forget_timer() -> None:
+    """In a forked child: no timer is inherited (POSIX), so none is armed and no call is in progress."""
+    global _armed_until, _call_deadline
+    _armed_until = _call_deadline = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_timer)
 
 
 def _alarms() -> bool:
@@ -247,14 +279,17 @@ def _alarms() -> bool:
 
 @contextlib.contextmanager
 def deadline_scope() -> Iterator[None]:
-    """Install the ``SIGALRM`` handler once for a whole run (main thread, POSIX): inside the block each watched call
-    only arms and disarms the timer (two system calls) instead of installing and restoring the handler around every
-    call (what :func:`call_with_timeout` does on its own). Elsewhere a no-op."""
-    global _scoped
+    """Install a lazy ``SIGALRM`` handler for a whole run (main thread, POSIX). Inside the block a watched call only
+    notes its deadline (two clock reads), and arms the timer only when none is armed that fires by then: the timer
+    armed by an earlier call fires at most once per timeout, and the handler re-arms it for the call in progress
+    or lets it lapse between calls (:func:`_lazy_alarm`). A hang is still caught at its own call's deadline, for
+    no system call per call instead of two (arming and disarming), or four outside a scope (:func:`call_with_timeout`
+    installs and restores the handler around every call). Elsewhere a no-op."""
+    global _scoped, _armed_until, _call_deadline
     if not _alarms():
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _alarm) if not _scoped else None
+    previous = signal.signal(signal.SIGALRM, _lazy_alarm) if not _scoped else None
     _scoped += 1
     try:
         yield
@@ -262,31 +297,42 @@ def deadline_scope() -> Iterator[None]:
         _scoped -= 1
         if not _scoped:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            _armed_until = _call_deadline = None
             signal.signal(signal.SIGALRM, previous)
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float | None) -> Any:
     """``fn()`` under a deadline.
 
-    On the main thread of a POSIX process the deadline is a ``SIGALRM`` timer (a few
-    microseconds per call): it interrupts Python code, sleeps and lock waits. Elsewhere
-    the call runs on a daemon worker thread, abandoned (never joined) when it hangs;
-    handing every call to a thread costs about 2x in lockstep steps/s (``kvproof bench``).
+    On the main thread of a POSIX process the deadline is a ``SIGALRM`` timer: it interrupts Python code, sleeps and
+    lock waits (inside a :func:`deadline_scope`, armed lazily). Elsewhere the call runs on a daemon worker thread,
+    abandoned (never joined) when it hangs; handing every call to a thread costs about 2x in lockstep steps/s
+    (``kvproof bench``).
     """
-    global _worker, _watched
+    global _worker, _watched, _call_deadline, _armed_until
     if timeout is None or _watched:
         return fn()
-    scoped = _scoped and threading.current_thread() is threading.main_thread()  # the handler is installed already
-    if scoped or _alarms():
-        previous = None if scoped else signal.signal(signal.SIGALRM, _alarm)
+    if _scoped and threading.get_ident() == threading.main_thread().ident:  # the lazy handler is installed
+        deadline = time.monotonic() + timeout
+        if _armed_until is None or _armed_until > deadline:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            _armed_until = deadline
+        _watched += 1
+        _call_deadline = deadline
+        try:
+            return fn()
+        finally:
+            _call_deadline = None
+            _watched -= 1
+    if _alarms():
+        previous = signal.signal(signal.SIGALRM, _alarm)
         _watched += 1
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             return fn()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            if not scoped:
-                signal.signal(signal.SIGALRM, previous)
+            signal.signal(signal.SIGALRM, previous)
             _watched -= 1
     if _worker is None:
         _worker = _Worker()

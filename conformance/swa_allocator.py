@@ -49,6 +49,7 @@ from kvproof.conformance.lockstep import (
     unwrap,
 )
 from kvproof.conformance.swa_ghost import SWAGhost
+from kvproof.conformance.tensors import int64s
 from kvproof.reference import swa_allocator as ref
 from kvproof.reference.arith import ceil_p, floor_p, swa_tail_len
 from kvproof.reference.config import PoolConfig
@@ -129,7 +130,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
     # ------------------------------------------------------------ plumbing
 
     def _t(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return int64s(values, self.device)
 
     def _about_to_change(self, impl_slots: list[int]) -> None:
         """Called before an operation rewrites the mapping of ``impl_slots`` (a subclass may look first)."""
@@ -140,7 +141,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
 
     @staticmethod
     def _cpu(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+        return int64s(values)
 
     def _impl_slots(self, ref_slots: list[int]) -> list[int]:
         return [self.names.impl_slot(s) for s in ref_slots]
@@ -456,7 +457,7 @@ class SWALockstep(Lockstep[PoolConfig, SWAAllocatorUnderTest]):
             if not defined:
                 continue
             k, v = buffers[layer]
-            idx = torch.tensor([b for (_, b, _), _ in defined], dtype=torch.int64, device=k.device)
+            idx = int64s([b for (_, b, _), _ in defined], k.device)
             got = torch.cat([k[idx].reshape(len(defined), -1), v[idx].reshape(len(defined), -1)], dim=1).float()
             expected = torch.tensor([row for _, row in defined], dtype=torch.float32, device=got.device)
             if torch.equal(got, expected):

@@ -22,6 +22,7 @@ import torch
 
 from kvproof.conformance.harm import Harm, severity
 from kvproof.conformance.lockstep import call_with_timeout
+from kvproof.conformance.tensors import int64s
 from kvproof.reference.arith import floor_p
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.contract import Capability
@@ -69,11 +70,11 @@ class SWAGhost:
         return self._call(self.impl.snapshot)
 
     def _t(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.impl.device)
+        return int64s(values, self.impl.device)
 
     @staticmethod
     def _cpu(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64)
+        return int64s(values)
 
     def _write(self, rid: int, positions: Any, snap: Any) -> Harm | None:
         """Tag ``rid``'s ``positions`` on each watched layer (SWA: only those with an SWA slot); a write the

@@ -198,3 +198,27 @@ def test_machines_share_no_state_across_runs() -> None:
     assert first is not second and first.examples == second.examples
     assert first.rules == second.rules and first.digest.digest() == second.digest.digest()
     assert not any(isinstance(value, RunStats) for value in vars(Toy).values())
+
+
+def test_a_lazily_armed_deadline_catches_a_hang_at_its_own_deadline_and_only_inside_a_call() -> None:
+    """Inside a ``deadline_scope`` the timer is armed by some earlier call and may fire between calls or early in a
+    later one: it must then do nothing, or re-arm for what is left of that call, and raise exactly when a call
+    outlives its own timeout."""
+    from kvproof.conformance.lockstep import OperationTimeout, call_with_timeout, deadline_scope
+
+    t = 1.0  # the timeout; every margin below is a fifth of it or more
+    with deadline_scope():
+        call_with_timeout(lambda: None, t)  # arms the timer: it fires t from now
+        time.sleep(1.4 * t)  # it fires here, between calls: nothing is raised
+        assert call_with_timeout(lambda: 7, t) == 7  # arms it again
+        time.sleep(0.4 * t)
+        # it fires 0.6 t into this call, which has 0.4 t left: not late yet, so the timer is re-armed, not raised
+        assert call_with_timeout(lambda: time.sleep(0.8 * t) or 8, t) == 8
+        time.sleep(0.4 * t)  # the timer re-armed above fires here, between calls
+        call_with_timeout(lambda: None, t)  # arms it again: it fires t from now
+        time.sleep(0.4 * t)
+        start = time.monotonic()
+        with pytest.raises(OperationTimeout):  # it fires 0.6 t into this hang, is re-armed, and fires at its deadline
+            call_with_timeout(lambda: time.sleep(5 * t), t)
+        assert 0.9 * t < time.monotonic() - start < 3 * t
+        time.sleep(1.2 * t)  # nothing left armed fires into the harness
