@@ -425,6 +425,17 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                            label(evidence, findings) if failure is not None else "",
                            {f: stats.accepted.get(f, 0) for f in accepting}, split=dict(stats.seconds))
 
+    def interrupted() -> RunInterrupted:
+        """Stopped by the user (Ctrl-C), while generating or while shrinking (Hypothesis' or the breadth driver's
+        vector shrink): the run so far, with the first-seen failure (if any: on disk already) as its failure."""
+        nonlocal failure, saved, vector
+        if first:
+            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            saved = str(store.path) if store is not None and store.path is not None else None
+            vector = {**make_vector(name, config, impl_name, machine_options, first[0][1], failure),
+                      "first_seen": True}
+        return RunInterrupted(report())
+
     try:
         machines: Any = _MachineFactory(suite, binding, identity)
         if seed is not None:
@@ -437,13 +448,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                 run_state_machine_as_test(machines, settings=settings)
     except HarnessBug:
         raise
-    except KeyboardInterrupt as err:  # stopped by the user: the first-seen failure (if any) is on disk already
-        if first:
-            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
-            saved = str(store.path) if store is not None and store.path is not None else None
-            vector = {**make_vector(name, config, impl_name, machine_options, first[0][1], failure),
-                      "first_seen": True}
-        raise RunInterrupted(report()) from err
+    except KeyboardInterrupt as err:
+        raise interrupted() from err
     except Exception as err:  # noqa: BLE001 - the verdict is data here
         notes = "\n".join(n for n in getattr(err, "__notes__", []) if "reproduce_failure" not in n)
         failure = f"{type(err).__name__}: {err}\n{notes}".rstrip()
@@ -458,8 +464,11 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                        f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
             steps = first[0][1]
         elif engine == "breadth":  # no engine shrank it: the vector is shrunk by replaying candidates
-            shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
-                            lambda v: _replayed(v, factory, impl_name, op_timeout, binding.replay_hint))
+            try:
+                shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
+                                lambda v: _replayed(v, factory, impl_name, op_timeout, binding.replay_hint))
+            except KeyboardInterrupt as interrupt:
+                raise interrupted() from interrupt
             if shrunk is not None:
                 failure, steps = shrunk.failure, shrunk.vector["steps"]
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)

@@ -541,7 +541,7 @@ class RunProgress:
 
     examples: int
     steps: int
-    shrinking: bool  # a failure was found and Hypothesis is shrinking it
+    shrinking: bool  # a failure was found and is being shrunk
     rules: Mapping[str, int] = field(default_factory=dict)  # rule executions so far
     structure: Mapping[str, int] = field(default_factory=dict)  # the most each structural dimension reached so far
 

@@ -33,8 +33,9 @@ from kvproof.conformance.vector import VECTOR_FORMAT, ReplayResult
 
 __all__ = ["FIRST_SEEN", "FailureFile", "first_failing", "saved_vectors", "write_atomic"]
 
-FIRST_SEEN = ("first seen; Hypothesis is shrinking it (this file is replaced by the shrunk failure when the run "
-              "ends; if the run was stopped, this is the unshrunk failure, and its vector replays)\n\n")
+FIRST_SEEN = ("first seen; it is being shrunk (by Hypothesis, or in breadth mode by replaying its vector: "
+              "kvproof.conformance.shrink); this file is replaced by the shrunk failure when the run ends; if the "
+              "run was stopped, this is the unshrunk failure, and its vector replays\n\n")
 #: saved vectors replayed per test at most (newest first)
 MAX_REPLAYED = 20
 

@@ -141,3 +141,53 @@ def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     replayed = replay_vector(report.vector, MUTANTS["double_free_accepted"], isolation="in-process")
     assert replayed.failure is not None and verdict in replayed.failure
     assert run_check(Component.SWA_ALLOCATOR, SWATokenToKVPoolAllocator, config, **kwargs).passed
+
+
+class _CrashesThenInterrupted:
+    """Crashes at the 40th call of the run; after that every call (the breadth driver's shrink replaying the
+    failure) is a Ctrl-C."""
+
+    calls, crashed = 0, False
+
+    def __init__(self, config: Any) -> None:
+        from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
+
+        self._pool = HiSparseHostPool(config)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._pool, name)
+        if not callable(value) or name == "snapshot":
+            return value
+        cls = type(self)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if cls.crashed:
+                raise KeyboardInterrupt
+            cls.calls += 1
+            if cls.calls >= 40:
+                cls.crashed = True
+                raise RuntimeError("boom")
+            return value(*args, **kwargs)
+
+        return call
+
+
+def test_ctrl_c_while_the_breadth_driver_shrinks_reports_the_run_and_its_first_seen_failure() -> None:
+    """A Ctrl-C during the vector shrink is the run's interruption (``RunInterrupted``, as one while Hypothesis
+    shrinks): the run's counts and the unshrunk first-seen failure with its vector, not a bare KeyboardInterrupt
+    that loses them (a campaign then reported the run as 0 examples, 0 steps)."""
+    from kvproof.conformance.errors import RunInterrupted
+    from kvproof.conformance.hisparse_host import HOST_CONFIGS
+
+    caught: BaseException | None = None
+    try:
+        run_check("hisparse_host", _CrashesThenInterrupted, HOST_CONFIGS[0], settings=_small(20, 20), seed=0,
+                  engine="breadth", failures_dir=None, isolation="in-process", impl_name="crashes")
+    except BaseException as err:  # noqa: BLE001 - a bare KeyboardInterrupt must fail this test, not end pytest
+        caught = err
+    assert _CrashesThenInterrupted.crashed
+    assert isinstance(caught, RunInterrupted), repr(caught)
+    report = caught.report
+    assert "RuntimeError: boom" in report.failure and "interrupted while shrinking" in report.failure
+    assert report.examples >= 1 and report.steps >= 1
+    assert report.vector is not None and report.vector["first_seen"] and report.vector["steps"]
