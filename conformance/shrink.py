@@ -4,9 +4,11 @@ A vector (:mod:`kvproof.conformance.vector`) is the rules a run executed and eve
 replays candidates and keeps the smallest that still fails *the same way* (:func:`failure_kind`: the verdict's
 line with its numbers blanked, up to its first colon): first the prefix up to the failing step, then delta debugging
 over the steps (drop halves, quarters, ... single steps: Zeller's ddmin), then simpler values, step by step (an
-integer toward 0, a boolean to ``False``, a shorter list, an earlier pick). A candidate whose rules no longer apply
-(a step's precondition is false, a draw does not fit) fails to replay and is dropped; one that fails differently
-(another verdict, a harness error) is dropped too. Every replay runs every per-step check, as the run did.
+integer toward 0, a boolean to ``False``, a shorter list, an earlier pick), and both again until neither changes
+the vector (a simpler value often lets a step go: a smaller batch needs fewer steps before it). A candidate whose
+rules no longer apply (a step's precondition is false, a draw does not fit) fails to replay and is dropped; one that
+fails differently (another verdict, a harness error) is dropped too. Every replay runs every per-step check, as the
+run did.
 """
 
 from __future__ import annotations
@@ -63,27 +65,37 @@ def shrink(vector: dict[str, Any], replay: Callable[[dict[str, Any]], tuple[int,
 
     if len(best["steps"]) < len(vector["steps"]) and not fails(best):  # the prefix itself must still fail
         best = vector
-    chunk = max(len(best["steps"]) // 2, 1)
+    while time.monotonic() < deadline:  # until neither pass changes it: a simpler value may let a step go
+        before = best
+        _drop_steps(best_of=lambda: best, fails=fails, deadline=deadline)
+        changed = True
+        while changed and time.monotonic() < deadline:
+            changed = False
+            for candidate in _simpler(best):
+                if time.monotonic() >= deadline:
+                    break
+                if fails(candidate):
+                    changed = True
+                    break
+        if best is before:
+            break
+    return Shrunk(best, failure, replays)
+
+
+def _drop_steps(best_of: Callable[[], dict[str, Any]], fails: Callable[[dict[str, Any]], bool],
+                deadline: float) -> None:
+    """Delta debugging over the steps of the best vector so far (``best_of()``; ``fails`` keeps a smaller one)."""
+    chunk = max(len(best_of()["steps"]) // 2, 1)
     while chunk >= 1 and time.monotonic() < deadline:
         i, removed = 0, False
-        while i < len(best["steps"]) and time.monotonic() < deadline:
-            steps = best["steps"]
-            if len(steps) > 1 and fails(_with_steps(best, steps[:i] + steps[i + chunk:])):
+        while i < len(best_of()["steps"]) and time.monotonic() < deadline:
+            steps = best_of()["steps"]
+            if len(steps) > 1 and fails(_with_steps(best_of(), steps[:i] + steps[i + chunk:])):
                 removed = True  # the same i now holds the next chunk
             else:
                 i += chunk
         if not removed:
             chunk //= 2
-    changed = True
-    while changed and time.monotonic() < deadline:
-        changed = False
-        for candidate in _simpler(best):
-            if time.monotonic() >= deadline:
-                break
-            if fails(candidate):
-                changed = True
-                break
-    return Shrunk(best, failure, replays)
 
 
 def _with_steps(vector: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
