@@ -464,6 +464,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                        f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
             steps = first[0][1]
         elif engine == "breadth":  # no engine shrank it: the vector is shrunk by replaying candidates
+            progressed(stats)  # "shrinking", with the run's counts (what an interruption while shrinking reports)
             try:
                 shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
                                 lambda v: _replayed(v, factory, impl_name, op_timeout, binding.replay_hint))
@@ -516,10 +517,13 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
     spec = impl_name or factory_spec(factory)
     options = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS}  # the machine options
     first: list[tuple[str, list[dict[str, Any]], str | None]] = []
+    last: list[RunProgress] = []  # the child's latest progress note (sent when shrinking starts too)
 
     def on_note(note: tuple[Any, ...]) -> None:
-        if note[0] == "progress" and progress is not None:
-            progress(note[1])
+        if note[0] == "progress":
+            last[:] = [note[1]]
+            if progress is not None:
+                progress(note[1])
         elif note[0] == "first_seen" and not first:
             first.append((note[1], note[2], note[3]))
 
@@ -534,9 +538,11 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
         if first:
             failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
             vector = {**make_vector(name, config, spec, options, first[0][1], failure), "first_seen": True}
-        raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), {}, {}, 0, 0,
-                                         time.perf_counter() - start, failure, first[0][2] if first else None,
-                                         (), vector)) from err
+        done = last[0] if last else RunProgress(0, 0, False)  # the counts as of the child's latest note
+        raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), dict(done.rules), {}, done.steps,
+                                         done.examples, time.perf_counter() - start, failure,
+                                         first[0][2] if first else None, (), vector,
+                                         structure=dict(done.structure))) from err
     if not isinstance(outcome, Crash):
         return outcome
     return _crash_report(component, config, spec, replay, failures_dir, options, outcome,

@@ -90,6 +90,21 @@ def _wait_for_first_seen(tmp_path: Path, proc: subprocess.Popen[bytes], timeout:
     pytest.fail("no failure seen within the time limit")
 
 
+def _interrupt_while_shrinking(tmp_path: Path, proc: subprocess.Popen[bytes], after: float) -> Path:
+    """Ctrl-C to ``proc`` ``after`` seconds past its first-seen failure (while it shrinks); that failure's file."""
+    try:
+        text = _wait_for_first_seen(tmp_path, proc)
+        time.sleep(after)
+        assert proc.poll() is None, "the run ended before it could be interrupted while shrinking"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return text
+
+
 def _replay(tmp_path: Path, vector: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     return subprocess.run([str(BIN / "kvproof"), "replay", str(vector)], cwd=tmp_path, env=env, capture_output=True,
@@ -133,16 +148,7 @@ def test_sigkill_while_shrinking_leaves_the_failure_the_reports_and_the_seed(tmp
 
 def test_sigint_while_shrinking_finalises_the_reports(tmp_path: Path) -> None:
     proc = _start(tmp_path)
-    try:
-        text = _wait_for_first_seen(tmp_path, proc)
-        time.sleep(1.0)
-        assert proc.poll() is None, "the run ended before it could be interrupted while shrinking"
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    text = _interrupt_while_shrinking(tmp_path, proc, 1.0)
     out = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 130, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
     assert "interrupted (Ctrl-C) during hisparse_host/P4-H8-R4-C14" in out
@@ -151,6 +157,8 @@ def test_sigint_while_shrinking_finalises_the_reports(tmp_path: Path) -> None:
     (result,) = report["results"]
     assert result["status"] == "interrupted" and result["failure_file"] == str(text.relative_to(tmp_path))
     assert "RuntimeError" in result["diagnosis"] and result["vector"]["steps"]
+    # the run's counts as of the child's last progress note (sent when shrinking starts), not zero
+    assert result["examples"] >= 1 and result["steps"] >= 1, result
     root = ET.parse(tmp_path / "r.xml").getroot()  # well-formed although the failure text holds ESC and NUL
     error = root.find("testsuite/testcase/error")
     assert error is not None and "RuntimeError" in error.get("message", "")
@@ -176,3 +184,24 @@ def test_saved_failures_are_replayed_first_and_a_passing_one_changes_nothing(tmp
     fresh = run_check("hisparse_host", HiSparseHostPool, CONFIG, profile="dev", impl_name="mine:factory",
                       failures_dir=None)
     assert fixed.passed and fresh.passed and fixed.fingerprint == fresh.fingerprint
+
+
+def test_sigint_while_the_breadth_driver_shrinks_keeps_the_failure_and_the_runs_counts(tmp_path: Path) -> None:
+    """``kvproof fuzz --mode breadth``: Ctrl-C while the breadth driver shrinks (replaying the vector in the run's
+    child process) stops the campaign with its summary (exit 130); the failure is on disk, unshrunk, and replays; the
+    interrupted run's examples and steps (as of the note the child sends when shrinking starts) are in the summary,
+    not zeros."""
+    (tmp_path / "slowshrink.py").write_text(SLOW_TO_SHRINK)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "KVPROOF_PROGRESS_SECONDS": "1", "COLUMNS": "250"}
+    args = [str(BIN / "kvproof"), "fuzz", "--component", "hisparse_host", "--impl", "slowshrink:factory", "--config",
+            "P4-H8-R4-C14", "--mode", "breadth", "--time", "60s", "--workers", "1"]
+    with open(tmp_path / "out.txt", "wb") as out, open(tmp_path / "err.txt", "wb") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=err)
+    text = _interrupt_while_shrinking(tmp_path, proc, 1.5)  # into the shrink: every replayed call takes 30 ms
+    out_text = (tmp_path / "out.txt").read_text(errors="replace")
+    assert proc.returncode == 130, out_text[-2000:] + (tmp_path / "err.txt").read_text(errors="replace")[-2000:]
+    assert text.read_text().startswith(FIRST_SEEN)
+    assert _replay(tmp_path, text.with_suffix(".json")).returncode == 1
+    (row,) = [line for line in out_text.splitlines() if line.startswith("│ hisparse_host ")]
+    cells = [c.strip() for c in row.strip("│").split("│")]  # component, slices, runs, examples, steps, ...
+    assert int(cells[3].replace(",", "")) >= 1 and int(cells[4].replace(",", "")) >= 1, row
