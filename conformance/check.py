@@ -430,10 +430,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
         vector shrink): the run so far, with the first-seen failure (if any: on disk already) as its failure."""
         nonlocal failure, saved, vector
         if first:
-            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+            failure, vector = _unshrunk(first[0][0], first[0][1], name, config, impl_name, machine_options)
             saved = str(store.path) if store is not None and store.path is not None else None
-            vector = {**make_vector(name, config, impl_name, machine_options, first[0][1], failure),
-                      "first_seen": True}
         return RunInterrupted(report())
 
     try:
@@ -497,6 +495,13 @@ def structure_targets(suite: Suite, config: Any, caps: frozenset[Capability], na
     return {k: v for k, v in out.items() if v > 0 and k.split(" ", 1)[0] not in na}
 
 
+def _unshrunk(text: str, steps: list[dict[str, Any]], component: str, config: Any, impl_name: str,
+              options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A run interrupted while shrinking: its first-seen failure (``text``, the example's ``steps``) and vector."""
+    failure = f"LockstepFailure: {text}\n\n(interrupted while shrinking: this is the unshrunk failure)"
+    return failure, {**make_vector(component, config, impl_name, options, steps, failure), "first_seen": True}
+
+
 def _replayed(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: str, op_timeout: float | None,
               hint: str) -> tuple[int, str | None]:
     """A shrink candidate replayed in this process: (steps done before it failed, its failure or ``None``)."""
@@ -534,10 +539,7 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
             op_timeout=op_timeout, memory_limit_mb=memory_limit_mb, on_note=on_note)
     except KeyboardInterrupt as err:  # the child is killed; what it had found is on disk and in `first`
         name = get_suite(component).component.value
-        failure = vector = None
-        if first:
-            failure = f"LockstepFailure: {first[0][0]}\n\n(interrupted while shrinking: this is the unshrunk failure)"
-            vector = {**make_vector(name, config, spec, options, first[0][1], failure), "first_seen": True}
+        failure, vector = _unshrunk(first[0][0], first[0][1], name, config, spec, options) if first else (None, None)
         done = last[0] if last else RunProgress(0, 0, False)  # the counts as of the child's latest note
         raise RunInterrupted(CheckReport(name, spec, config, frozenset(), (), dict(done.rules), {}, done.steps,
                                          done.examples, time.perf_counter() - start, failure,
