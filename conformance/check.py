@@ -470,6 +470,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                 raise interrupted() from interrupt
             if shrunk is not None:
                 failure, steps = shrunk.failure, shrunk.vector["steps"]
+                stats.evidence = _evidence_of(shrunk.vector, factory, impl_name, op_timeout, binding.replay_hint,
+                                              stats.evidence)
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
         if store is not None:
             saved = store.write(failure, vector)
@@ -511,6 +513,19 @@ def _replayed(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: 
     except VectorError:
         return 0, None
     return result.steps, result.failure
+
+
+def _evidence_of(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: str, op_timeout: float | None,
+                 hint: str, otherwise: Evidence | None) -> Evidence | None:
+    """The evidence of the verdict a shrunk ``vector`` ends in (its op, step and operations: what the report and the
+    known-finding label describe, with the shrunk failure's text), from one more replay; ``otherwise`` (the unshrunk
+    verdict's) if that replay does not fail (an intermittent implementation)."""
+    try:
+        result = replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout, replay_hint=hint or None,
+                               isolation="in-process")
+    except VectorError:
+        return otherwise
+    return Evidence.from_json(result.evidence) if result.failure is not None and result.evidence else otherwise
 
 
 def _run_isolated(component: Component | str, factory: Callable[[Any], Any], config: Any, *,

@@ -138,6 +138,9 @@ def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     assert report.failure is not None and verdict in report.failure
     assert report.vector is not None and report.detected_steps is not None
     assert len(report.vector["steps"]) == 1 and report.vector["steps"][0]["rule"] == "misuse"  # shrunk from 30
+    # the evidence (the kill matrix's, the known-finding label's) is the shrunk verdict's, as the text is
+    assert report.evidence is not None and report.evidence["step"] == 1 and len(report.evidence["ops"]) == 1
+    assert "at step 1:" in report.failure
     replayed = replay_vector(report.vector, MUTANTS["double_free_accepted"], isolation="in-process")
     assert replayed.failure is not None and verdict in replayed.failure
     assert run_check(Component.SWA_ALLOCATOR, SWATokenToKVPoolAllocator, config, **kwargs).passed
