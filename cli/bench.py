@@ -174,19 +174,17 @@ def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_
     return rate.per_second, rate.steps
 
 
-def _both_modes(examples: int, rounds: int) -> tuple[LockstepRate, LockstepRate]:
-    """The default (Hypothesis) mode's and the breadth mode's lockstep runs on one core (one torch thread):
-    ``rounds`` alternating runs of each, the fastest of each kept (a shared machine's noise only ever slows a run
-    down, and alternating exposes both modes to it alike), so their ratio is not one noisy run's."""
+def _fastest(examples: int, rounds: int, **variants: dict[str, Any]) -> dict[str, LockstepRate]:
+    """:func:`lockstep_rate` of each variant (its keyword arguments) on one core (one torch thread): ``rounds``
+    alternating runs of every variant, the fastest of each kept (a shared machine's noise only ever slows a run down,
+    and alternating exposes every variant to it alike), so a ratio of two of them is not one noisy run's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runs = [[lockstep_rate(examples, engine=engine) for engine in ("hypothesis", "breadth")]
-                for _ in range(rounds)]
+        runs = [{name: lockstep_rate(examples, **kwargs) for name, kwargs in variants.items()} for _ in range(rounds)]
     finally:
         torch.set_num_threads(threads)
-    return (max((r[0] for r in runs), key=lambda r: r.per_second),
-            max((r[1] for r in runs), key=lambda r: r.per_second))
+    return {name: max((r[name] for r in runs), key=lambda r: r.per_second) for name in variants}
 
 
 def fuzz_steps_per_second(workers: int, seconds: float, engine: str = "hypothesis") -> tuple[float, int]:
@@ -442,7 +440,10 @@ def _swa_allocator(quick: bool) -> Section:
     p1, _ = runtime_pairs_per_second(1, pairs)
     p4, _ = runtime_pairs_per_second(4, pairs)
     r4 = reference_pairs_per_second(4, max(200, pairs // 10))
-    default, breadth = _both_modes(examples, 1 if quick else 3)
+    rates = _fastest(examples, 1 if quick else 3, default={}, breadth={"engine": "breadth"},
+                     direct={"op_timeout": None}, isolated={"isolation": "process"})
+    default, breadth = rates["default"], rates["breadth"]
+    direct_steps_per_s, isolated_steps_per_s = rates["direct"].per_second, rates["isolated"].per_second
     (steps_per_s, steps), (breadth_per_s, breadth_steps) = (default.per_second, default.steps), (
         breadth.per_second, breadth.steps)
     floor = sum(breadth.micros(part) for part in ("implementation", "reference", "checks"))
@@ -451,8 +452,6 @@ def _swa_allocator(quick: bool) -> Section:
     fuzz_one, _ = fuzz_steps_per_second(1, fuzz_s)
     fuzz_all, _ = fuzz_steps_per_second(cores, fuzz_s)
     fuzz_breadth, _ = fuzz_steps_per_second(1, fuzz_s, engine="breadth")
-    direct_steps_per_s, _ = lockstep_steps_per_second(examples, op_timeout=None)
-    isolated_steps_per_s, _ = lockstep_steps_per_second(examples, isolation="process")
     start_ms = isolation_start_ms(5 if quick else 20)
     overhead = (1.0 / steps_per_s) / (1.0 / (2 * p4))  # one lockstep step / one bare op (half an extend+free pair)
     out = Section(rows={

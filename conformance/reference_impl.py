@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvproof.conformance.tensors import int64s
 from kvproof.reference import block_pool as bp
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference import swa_allocator as ref
@@ -29,10 +30,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def _ints(t: torch.Tensor) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
-
-
-def _tensor(values: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
 
 
 class ReferenceKVPool:
@@ -72,22 +69,22 @@ class ReferenceAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor:
         self.state, slots = ref.alloc(self.state, need_size)
-        return _tensor(slots)
+        return int64s(slots)
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
         self.state, slots = ref.alloc_extend(self.state, _ints(prefix_lens_cpu), _ints(seq_lens_cpu),
                                              _ints(last_loc), extend_num_tokens)
-        return _tensor(slots)
+        return int64s(slots)
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
         self.state, slots = ref.alloc_decode(self.state, _ints(seq_lens_cpu), _ints(last_loc))
-        return _tensor(slots)
+        return int64s(slots)
 
     def alloc_extend_swa_tail(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                               extend_num_tokens, swa_tail_len):
         self.state, slots = ref.alloc_extend_swa_tail(self.state, _ints(prefix_lens_cpu), _ints(seq_lens_cpu),
                                                       _ints(last_loc), extend_num_tokens, swa_tail_len)
-        return _tensor(slots)
+        return int64s(slots)
 
     def free(self, free_index: torch.Tensor) -> None:
         self.state = ref.free(self.state, _ints(free_index))
@@ -139,7 +136,7 @@ class ReferenceAllocator:
         return ref.swa_available_size(self.state)
 
     def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
-        return _tensor(ref.translate_loc_from_full_to_swa(self.state, _ints(kv_indices)))
+        return int64s(ref.translate_loc_from_full_to_swa(self.state, _ints(kv_indices)))
 
     def get_cpu_copy(self, indices: torch.Tensor) -> ref.KVCpuCopy:
         return ref.get_cpu_copy(self.state, _ints(indices))
@@ -195,22 +192,22 @@ class ReferenceHostPool:
 
     def alloc_paged_token_slots(self, req: int, start_pos: int, num_tokens: int) -> torch.Tensor:
         self.state, slots = hh.alloc_paged_token_slots(self.state, req, start_pos, num_tokens)
-        return _tensor(slots)
+        return int64s(slots)
 
     def allocated_host_indices(self, req: int) -> torch.Tensor:
-        return _tensor(hh.allocated_host_indices(self.state, req))
+        return int64s(hh.allocated_host_indices(self.state, req))
 
     def request_finished(self, req: int) -> None:
         self.state = hh.request_finished(self.state, req)
 
     def admit_request_into_staging(self, req: int, values: torch.Tensor) -> torch.Tensor:
         self.state, slots = hh.admit_request_into_staging(self.state, req, _ints(values))
-        return _tensor(slots)
+        return int64s(slots)
 
     def eager_backup_previous_token(self, reqs: torch.Tensor, seq_lens: torch.Tensor,
                                     values: torch.Tensor) -> torch.Tensor:
         self.state, slots = hh.eager_backup_previous_token(self.state, _ints(reqs), _ints(seq_lens), _ints(values))
-        return _tensor(slots)
+        return int64s(slots)
 
     def get_host_data(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.tensor([-1 if v is None else v for v in hh.get_host_data(self.state, _ints(slots))],
