@@ -126,6 +126,11 @@ HARM = click.option(
          "cross-request KV read, a page with two owners, a page freed while owned, a duplicate in a free list, the "
          "reserved page handed out, a legal call that raises, or capacity lost. Printed under the shrunk trace.")
 
+SHRINK = click.option(
+    "--shrink", "shrink_with", type=click.Choice(["hypothesis", "vector"]), default="hypothesis", show_default=True,
+    help="Who shrinks a failure found by Hypothesis: its shrinker, or kvproof's vector shrinker (Hypothesis finds, "
+         "then candidate vectors are replayed: seconds where Hypothesis can take minutes on a long stateful example; "
+         "the breadth mode always uses it).")
 ACCEPT = click.option(
     "--accept", multiple=True, metavar="FINDING",
     help="Look past this known finding of the implementation (an id it declares, e.g. F1, whose documented "
@@ -244,12 +249,13 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
               help="Do not replay the failures saved under .kvproof/failures/ before generating.")
 @ACCEPT
 @HARM
+@SHRINK
 @with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
             seed: int | None, skip_file: str | None, xfail_file: str | None, json_report: str | None,
             junit_xml: str | None, op_timeout: float, fresh: bool, accept: tuple[str, ...], harm: bool,
-            suite_options: dict[str, str], isolation: dict[str, Any]) -> None:
+            shrink_with: str, suite_options: dict[str, str], isolation: dict[str, Any]) -> None:
     """Run the lockstep conformance suites, one row per component and pool config.
 
     Failures saved by earlier runs of the same test (.kvproof/failures/) are replayed first;
@@ -271,7 +277,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
     events = CLIEvents(console, json_report, junit_xml)
     try:
         outcomes, info = run_plan(the_plan, profile=profile, seed=seed, op_timeout=op_timeout, events=events,
-                                  replay_saved=not fresh, harm=harm, **isolation)
+                                  replay_saved=not fresh, harm=harm, shrink_with=shrink_with, **isolation)
     except _usage_errors() as err:
         _bad_input(console, err)
     except KeyboardInterrupt:  # between two tests (run_plan finalises the reports of one interrupted inside a test)
@@ -327,11 +333,12 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
 @click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0), default=MEMORY_LIMIT_MB,
               show_default=True, metavar="MIB", help="MiB an implementation's process may grow by (0: no limit).")
 @ACCEPT
+@SHRINK
 @with_suite_options
 def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tuple[str, ...], duration: str | None,
          step_budget: int | None, workers: int | None, db: str | None, seed: int, mode: str, resume: bool,
          fresh: bool, examples: int, steps_per_example: int, op_timeout: float, memory_limit: int,
-         accept: tuple[str, ...], suite_options: dict[str, str]) -> None:
+         accept: tuple[str, ...], shrink_with: str, suite_options: dict[str, str]) -> None:
     """A fuzzing campaign: the lockstep suites under a time or step budget on K workers, nothing lost.
 
     Failures are saved the moment they are found (the example database, .kvproof/failures/); the same command
@@ -351,7 +358,7 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
         the_plan = plan(components, load_impls(impl_specs), configs, None, suite_options, accept=_ids(accept))
         spec = plan_campaign(the_plan.tests, budget, workers=workers, seed=seed, engine=mode, db=db,
                              examples=examples, steps_per_example=steps_per_example, op_timeout=op_timeout,
-                             memory_limit_mb=memory_limit, fresh=fresh)
+                             memory_limit_mb=memory_limit, fresh=fresh, shrink_with=shrink_with)
         if resume and not Ledger(spec.campaign_id).resumed:
             raise click.UsageError(f"--resume: no campaign to resume (no {Ledger(spec.campaign_id).path})")
         view = FuzzView(console)
@@ -362,7 +369,8 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
         console.print(f"[yellow]warning: {warning}[/]")
     resumed = campaign.ledger.resumed
     console.print(f"kvproof fuzz: {len(spec.tests)} slice(s), {spec.workers} worker(s), {budget.text()}, mode "
-                  f"{spec.engine}, seed {spec.seed}, database {spec.db or '.kvproof/hypothesis'}"
+                  f"{spec.engine}{', shrink vector' if spec.shrink_with == 'vector' else ''}, seed {spec.seed}, "
+                  f"database {spec.db or '.kvproof/hypothesis'}"
                   + (f"; resuming campaign {spec.campaign_id}" if resumed else ""), markup=False, highlight=False)
     with ctrl_c(campaign, view):  # held through the summary: a second Ctrl-C while it prints is not a traceback
         try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis
+from hypothesis import Phase
 from hypothesis import settings as Settings  # noqa: N812 - the class, next to a `settings` argument
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
@@ -88,6 +89,9 @@ FAILURES_DIR = Path(".kvproof/failures")
 DEFAULT_OP_TIMEOUT = 60.0
 #: How a run draws its examples: Hypothesis' engine, or the breadth driver (kvproof.conformance.breadth).
 ENGINES = ("hypothesis", "breadth")
+#: Who shrinks a failure: Hypothesis (its shrink phase, on the choice sequence) or kvproof's vector shrinker
+#: (:mod:`kvproof.conformance.shrink`: replaying candidate vectors). The breadth engine always takes the vector.
+SHRINKERS = ("hypothesis", "vector")
 #: Seconds between two progress reports of a run (a report is a note from an isolated child).
 PROGRESS_S = 0.25
 
@@ -288,7 +292,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
               replay_saved: bool = False, progress: Callable[[RunProgress], None] | None = None,
               isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, seed: int | None = None,
               database: ExampleDatabase | None = None, identity: str | None = None, engine: str = "hypothesis",
-              target: bool = False, **machine_options: Any) -> CheckReport:
+              target: bool = False, shrink_with: str = "hypothesis", **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
     ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).
@@ -318,9 +322,15 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     candidates (:mod:`kvproof.conformance.shrink`). ``target`` steers Hypothesis toward the suite's
     :attr:`~kvproof.conformance.lockstep.Lockstep.targets` (a campaign's runs; a conformance run never does, so its
     examples stay what its seed makes them).
+
+    ``shrink_with="vector"`` has Hypothesis find a failure but not shrink it (no shrink phase): the failing example's
+    vector is shrunk by replaying candidates, as the breadth engine's are (seconds where Hypothesis' shrinker can take
+    minutes on a long stateful example; the examples generated are the same).
     """
     if engine not in ENGINES:
         raise UsageError(f"engine {engine!r}: choose one of {list(ENGINES)}")
+    if shrink_with not in SHRINKERS:
+        raise UsageError(f"--shrink {shrink_with!r}: choose one of {list(SHRINKERS)}")
     # "child": this run is the one an isolated run's child process makes (its notes go to the parent)
     if isolation != "child" and _isolation(isolation) == "process" and not _cannot_fork():
         return _run_isolated(component, factory, config, settings=settings, profile=profile, impl_name=impl_name,
@@ -337,6 +347,9 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     settings = Settings(settings or get_profile(profile), report_multiple_bugs=False, print_blob=False)
     if database is not None:
         settings = Settings(settings, database=database)
+    by_vector = engine == "breadth" or shrink_with == "vector"
+    if by_vector and Phase.shrink in settings.phases:
+        settings = Settings(settings, phases=[p for p in settings.phases if p != Phase.shrink])
     start = time.perf_counter()
     try:  # under the per-call deadline, like every implementation call
         probe = call_implementation("the factory", lambda: factory(config), op_timeout)
@@ -463,7 +476,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
             failure = (f"LockstepFailure: {first[0][0]}\n\n(intermittent: the failure did not recur when "
                        f"Hypothesis ran the example again; Hypothesis reported {type(err).__name__})")
             steps = first[0][1]
-        elif engine == "breadth":  # no engine shrank it: the vector is shrunk by replaying candidates
+        elif by_vector:  # no engine shrank it: the vector is shrunk by replaying candidates
             progressed(stats)  # "shrinking", with the run's counts (what an interruption while shrinking reports)
             try:
                 shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
@@ -592,7 +605,7 @@ def _run_isolated(component: Component | str, factory: Callable[[Any], Any], con
 
 #: keyword arguments of run_check that are not machine options
 _RUN_OPTIONS = frozenset({"settings", "profile", "replay_saved", "seed", "database", "identity", "engine",
-                          "target"})
+                          "target", "shrink_with"})
 
 
 def _crash_text(impl_name: str, label: str, crash: Crash, hint: str) -> str:

@@ -47,7 +47,15 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, ENGINES, FAILURES_DIR, CheckReport, get_suite, run_check
+from kvproof.conformance.check import (
+    DEFAULT_OP_TIMEOUT,
+    ENGINES,
+    FAILURES_DIR,
+    SHRINKERS,
+    CheckReport,
+    get_suite,
+    run_check,
+)
 from kvproof.conformance.database import open_database, test_identity
 from kvproof.conformance.errors import RunInterrupted, UsageError, VectorError
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, fork_problem
@@ -141,10 +149,15 @@ class CampaignSpec:
     op_timeout: float | None = DEFAULT_OP_TIMEOUT
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB
     fresh: bool = False  # ignore the ledger and the saved failures (start over)
+    #: who shrinks a default-mode failure (``run_check``'s ``shrink_with``); not part of the campaign's identity: the
+    #: runs generate the same examples either way
+    shrink_with: str = "hypothesis"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise UsageError(f"--mode {self.engine!r}: choose one of {list(ENGINES)}")
+        if self.shrink_with not in SHRINKERS:
+            raise UsageError(f"--shrink {self.shrink_with!r}: choose one of {list(SHRINKERS)}")
         if self.workers < 1:
             raise UsageError(f"--workers {self.workers}: at least 1")
         if not self.tests:
@@ -381,7 +394,8 @@ def _one_run(wid: int, spec: CampaignSpec, test: PlannedTest, db: Any, index: in
                            settings=fuzz_settings(spec.examples, spec.steps_per_example), impl_name=test.impl.spec,
                            replay=test.replay_command("ci", None) + f" (fuzz run seed {seed}, --mode {spec.engine})",
                            op_timeout=spec.op_timeout, progress=progress, memory_limit_mb=spec.memory_limit_mb,
-                           seed=seed, database=db, identity=identity(test), engine=spec.engine, **test.options)
+                           seed=seed, database=db, identity=identity(test), engine=spec.engine,
+                           shrink_with=spec.shrink_with, **test.options)
     except RunInterrupted as err:
         report = err.report if isinstance(err.report, CheckReport) else None
         if report is not None:
@@ -577,12 +591,13 @@ class Campaign:
 def plan_campaign(tests: Sequence[PlannedTest], budget: Budget, *, workers: int | None = None, seed: int | None = None,
                   engine: str = "hypothesis", db: str | None = None, examples: int = RUN_EXAMPLES,
                   steps_per_example: int = RUN_STEPS, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-                  memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, fresh: bool = False) -> CampaignSpec:
+                  memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, fresh: bool = False,
+                  shrink_with: str = "hypothesis") -> CampaignSpec:
     """A campaign over ``tests`` (skipped ones left out): the workers default to the machine's cores."""
     import random
 
     runnable = tuple(t for t in tests if not (t.selected and t.selected[0] == "skip"))
     return CampaignSpec(runnable, budget, workers or os.cpu_count() or 1,
                         random.randrange(2**32) if seed is None else seed, engine, db, examples, steps_per_example,
-                        op_timeout, memory_limit_mb, fresh)
+                        op_timeout, memory_limit_mb, fresh, shrink_with)
 

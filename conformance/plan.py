@@ -231,18 +231,21 @@ def _acceptable(suite: Any, impl: Impl, wanted: Sequence[str] | None) -> tuple[s
 def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
                 op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
                 progress: Callable[[RunProgress], None] | None = None, isolation: str = "process",
-                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False) -> Outcome:
+                memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False,
+                shrink_with: str = "hypothesis") -> Outcome:
     """Run one planned test (not its skip: the caller decides) and classify the result.
 
     ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`. ``harm``: a failure
     with a vector goes on past its divergence on the implementation alone (:mod:`kvproof.conformance.harm`); the
-    continuation is printed under the failure and kept in the report.
+    continuation is printed under the failure and kept in the report. ``shrink_with``: who shrinks a failure (see
+    :func:`~kvproof.conformance.check.run_check`).
     """
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
                        replay=test.replay_command(profile, seed), op_timeout=op_timeout, replay_saved=replay_saved,
-                       progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb, **test.options)
+                       progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb,
+                       shrink_with=shrink_with, **test.options)
     if harm and report.failure is not None and report.vector is not None:
         found = continue_for_harm(report.vector, test.impl.factory, impl_name=test.impl.spec, op_timeout=op_timeout,
                                   isolation=isolation, memory_limit_mb=memory_limit_mb)
@@ -275,7 +278,8 @@ class RunEvents:
 def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
              on_report: Callable[[CheckReport], None] | None = None, events: RunEvents | None = None,
              replay_saved: bool = False, isolation: str = "process",
-             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False) -> tuple[list[Outcome], RunInfo]:
+             memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False,
+             shrink_with: str = "hypothesis") -> tuple[list[Outcome], RunInfo]:
     """Run every planned test under one seed; the outcomes and what every report states about the run.
 
     Ctrl-C ends the run: the interrupted test is an ``interrupted`` outcome (with the failure
@@ -305,7 +309,7 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
             try:
                 outcome = run_planned(test, profile=profile, seed=used_seed, op_timeout=op_timeout,
                                       replay_saved=replay_saved, progress=progress, isolation=isolation,
-                                      memory_limit_mb=memory_limit_mb, harm=harm)
+                                      memory_limit_mb=memory_limit_mb, harm=harm, shrink_with=shrink_with)
             except KeyboardInterrupt as err:
                 report = err.report if isinstance(err, RunInterrupted) else None
                 outcomes.append(Outcome(test.component.value, test.config.label(), "interrupted",

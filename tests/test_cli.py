@@ -46,6 +46,20 @@ def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None
             "kvproof.conformance.mutants.swa_allocator:TailStartOffByOne") in result.output
 
 
+def test_conform_shrink_vector_reports_the_vector_shrunk_failure() -> None:
+    """``--shrink vector``: the same verdict, its operations shrunk by replaying the vector (Hypothesis finds only);
+    an unknown shrinker is a usage error naming the choices."""
+    result = run("conform", "--impl", "kvproof.conformance.mutants.swa_allocator:DoubleFreeAccepted",
+                 "--config", "P2-W3-F24-S12", "--component", "swa_allocator", "--shrink", "vector", "--in-process",
+                 "--fresh")
+    assert result.exit_code == 1, result.output
+    assert "free succeeded; the reference raised InvalidOperation" in result.output
+    assert "at step 1:" in result.output and "operations so far:\n  1. free(" in result.output
+    assert "[misuse: " in result.output
+    bad = run("conform", "--shrink", "fast")
+    assert bad.exit_code == 2 and "'fast' is not one of 'hypothesis', 'vector'" in bad.output
+
+
 def test_conform_runtime_one_config() -> None:
     result = run("conform", "--config", "P4-W2-F32-S16", "--profile", "dev")
     assert result.exit_code == 0, result.output

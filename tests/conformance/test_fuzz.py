@@ -381,3 +381,21 @@ def test_workers_are_spawned_when_this_process_cannot_fork_them(tmp_path: Path) 
     (fork_method, *forked), (spawn_method, *spawned) = seen
     assert (fork_method, spawn_method) == ("fork", "spawn")
     assert forked == spawned and forked[0] == "complete" and forked[2] >= 300 and forked[3] == 0
+
+
+def test_a_campaign_shrinks_by_vector_when_asked(tmp_path: Path) -> None:
+    """``--shrink vector``: a default-mode campaign's failure is shrunk by replaying its vector (Hypothesis only finds
+    it): the saved vector is short and replays; an unknown shrinker is bad input naming the choices."""
+    out = _fuzz(tmp_path, "--component", "swa_allocator", "--impl",
+                "kvproof.conformance.mutants.swa_allocator:DoubleFreeAccepted", "--config", "P2-W3-F24-S12",
+                "--workers", "1", "--steps", "3000", "--examples", "5", "--shrink", "vector")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mode hypothesis, shrink vector" in out.stdout and "free succeeded; the reference raised" in out.stdout
+    (saved,) = (tmp_path / ".kvproof" / "failures").glob("*.json")
+    vector = json.loads(saved.read_text())
+    assert not vector.get("first_seen") and len(vector["steps"]) <= 2 and vector["steps"][-1]["rule"] == "misuse"
+    replayed = subprocess.run([str(BIN / "kvproof"), "replay", str(saved)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, check=False)
+    assert replayed.returncode == 1 and "free succeeded" in replayed.stdout, replayed.stdout[-2000:]
+    bad = _fuzz(tmp_path, "--component", "swa_allocator", "--steps", "10", "--shrink", "fast")
+    assert bad.returncode == 2 and "'fast' is not one of 'hypothesis', 'vector'" in bad.stdout + bad.stderr

@@ -1,8 +1,12 @@
-"""``kvproof.conformance.shrink`` on synthetic replays: what a breadth-mode failure is made small by."""
+"""``kvproof.conformance.shrink`` on synthetic replays: what a breadth-mode failure is made small by (and a default-mode
+one, with ``--shrink vector``)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
+from hypothesis import Phase
 
 from kvproof.conformance.shrink import shrink
 
@@ -51,3 +55,49 @@ def test_another_failure_is_not_taken_for_this_one() -> None:
     shrunk = shrink(_vector({"rule": "guard", "args": {}}, {"rule": "x", "args": {}}, {"rule": "boom", "args": {}}),
                     replay)
     assert shrunk is not None and [s["rule"] for s in shrunk.vector["steps"]] == ["guard", "boom"]
+
+
+def test_a_default_mode_failure_is_shrunk_by_its_vector_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shrink_with="vector"``: Hypothesis finds the failure and does not shrink it (no shrink phase); the vector
+    shrinker makes it small, and the report's text, vector and evidence are the shrunk failure's. The default
+    (Hypothesis' shrinker) never calls the vector shrinker."""
+    from kvproof.conformance import check
+    from kvproof.conformance.check import run_check
+    from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+    from kvproof.conformance.mutants.swa_allocator import MUTANTS
+
+    shrunk_by_vector: list[int] = []
+    real = check.shrink
+
+    def counted(vector: dict[str, Any], replay: Any, **kwargs: Any) -> Any:
+        shrunk_by_vector.append(len(vector["steps"]))
+        return real(vector, replay, **kwargs)
+
+    monkeypatch.setattr(check, "shrink", counted)
+    phases: list[Any] = []
+    real_run = check.run_state_machine_as_test
+    def recorded(machines: Any, settings: Any) -> None:
+        phases.append(settings.phases)
+        real_run(machines, settings=settings)
+
+    monkeypatch.setattr(check, "run_state_machine_as_test", recorded)
+    kwargs: dict[str, Any] = dict(profile="ci", failures_dir=None, isolation="in-process")
+    report = run_check("swa_allocator", MUTANTS["double_free_accepted"], CONFORMANCE_CONFIGS[1], shrink_with="vector",
+                       **kwargs)
+    assert report.failure is not None and "free succeeded; the reference raised InvalidOperation" in report.failure
+    assert shrunk_by_vector and Phase.shrink not in phases[-1]
+    assert report.vector is not None and len(report.vector["steps"]) == 1 and "at step 1:" in report.failure
+    assert report.evidence is not None and report.evidence["step"] == 1
+    shrunk_by_vector.clear()
+    default = run_check("swa_allocator", MUTANTS["double_free_accepted"], CONFORMANCE_CONFIGS[1], **kwargs)
+    assert default.failure is not None and not shrunk_by_vector and Phase.shrink in phases[-1]
+
+
+def test_an_unknown_shrinker_is_refused_by_name() -> None:
+    from kvproof.conformance.check import run_check
+    from kvproof.conformance.configs import CONFORMANCE_CONFIGS
+    from kvproof.conformance.errors import UsageError
+    from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+
+    with pytest.raises(UsageError, match="--shrink 'fast': choose one of"):
+        run_check("swa_allocator", SWATokenToKVPoolAllocator, CONFORMANCE_CONFIGS[0], shrink_with="fast")
