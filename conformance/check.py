@@ -337,7 +337,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
                              replay=replay, failures_dir=failures_dir, op_timeout=op_timeout,
                              replay_saved=replay_saved, progress=progress, memory_limit_mb=memory_limit_mb,
                              seed=seed, database=database, identity=identity, engine=engine, target=target,
-                             **machine_options)
+                             shrink_with=shrink_with, **machine_options)
     suite = get_suite(component)
     name = suite.component.value
     impl_name = impl_name or factory_spec(factory)

@@ -55,6 +55,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvproof-seed", type=int, default=None, help="seed of a randomized profile (default: chosen)")
     group.addoption("--kvproof-skip-file", default=None, help="lines 'component/config  # reason': skipped")
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
+    group.addoption("--kvproof-shrink", default="hypothesis", choices=["hypothesis", "vector"],
+                    help="who shrinks a failure: Hypothesis' shrinker, or kvproof's vector shrinker (as kvproof conform "
+                         "--shrink)")
     for option in options():
         group.addoption(f"--kvproof-{option.name}", default=option.default, choices=list(option.choices),
                         help=option.help)
@@ -156,7 +159,8 @@ def kvproof_test_run(request: pytest.FixtureRequest, test: PlannedTest) -> Outco
     seed = request.config.stash[_SEED]
     profile = str(request.config.getoption("kvproof_profile"))
     with forced_seed(seed if isinstance(seed, int) else None, get_profile(profile).derandomize) as used:
-        outcome = run_planned(test, profile=profile, seed=used)
+        outcome = run_planned(test, profile=profile, seed=used,
+                              shrink_with=str(request.config.getoption("kvproof_shrink")))
     request.config.stash[_OUTCOMES].append(outcome)
     report = outcome.report
     if report is not None:

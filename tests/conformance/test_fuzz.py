@@ -383,13 +383,37 @@ def test_workers_are_spawned_when_this_process_cannot_fork_them(tmp_path: Path) 
     assert forked == spawned and forked[0] == "complete" and forked[2] >= 300 and forked[3] == 0
 
 
+#: A module serving a mutant whose import wraps the vector shrinker to note each call in ./shrunk.txt (in whichever
+#: process imports it: a campaign's worker, the child it forks per run).
+SHRINK_SPY = """
+from pathlib import Path
+
+from kvproof.conformance import check
+from kvproof.conformance.mutants.swa_allocator import MUTANTS
+
+DoubleFreeAccepted = MUTANTS["double_free_accepted"]
+_real = check.shrink
+
+
+def _noted(vector, replay, **kwargs):
+    with Path("shrunk.txt").open("a") as f:
+        f.write(f"{len(vector['steps'])}\\n")
+    return _real(vector, replay, **kwargs)
+
+
+check.shrink = _noted
+"""
+
+
 def test_a_campaign_shrinks_by_vector_when_asked(tmp_path: Path) -> None:
     """``--shrink vector``: a default-mode campaign's failure is shrunk by replaying its vector (Hypothesis only finds
     it): the saved vector is short and replays; an unknown shrinker is bad input naming the choices."""
-    out = _fuzz(tmp_path, "--component", "swa_allocator", "--impl",
-                "kvproof.conformance.mutants.swa_allocator:DoubleFreeAccepted", "--config", "P2-W3-F24-S12",
-                "--workers", "1", "--steps", "3000", "--examples", "5", "--shrink", "vector")
+    (tmp_path / "spyimpl.py").write_text(SHRINK_SPY)  # the mutant, from a module that notes the vector shrinker's calls
+    out = _fuzz(tmp_path, "--component", "swa_allocator", "--impl", "spyimpl:DoubleFreeAccepted", "--config",
+                "P2-W3-F24-S12", "--workers", "1", "--steps", "3000", "--examples", "5", "--shrink", "vector",
+                env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "shrunk.txt").read_text().strip()  # in the worker's child: the vector shrinker ran
     assert "mode hypothesis, shrink vector" in out.stdout and "free succeeded; the reference raised" in out.stdout
     (saved,) = (tmp_path / ".kvproof" / "failures").glob("*.json")
     vector = json.loads(saved.read_text())

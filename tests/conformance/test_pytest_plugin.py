@@ -36,6 +36,30 @@ def test_a_broken_implementation_fails_with_the_verdict_and_selection_files_appl
     assert "entry 'hisparse_host/P7-*' matches no test" in out.stdout
 
 
+def test_kvproof_shrink_vector_shrinks_the_failure_by_its_vector(tmp_path: Path) -> None:
+    """``--kvproof-shrink vector``: the verdict of a broken implementation, shrunk by replaying its vector (the same
+    run planner as ``kvproof conform --shrink vector``); an unknown shrinker is refused by pytest's option parser."""
+    (tmp_path / "shrinkspy.py").write_text(  # a plugin noting every call of the vector shrinker in a file
+        "from pathlib import Path\n"
+        "from kvproof.conformance import check\n\n"
+        "_real = check.shrink\n\n\n"
+        "def _noted(vector, replay, **kwargs):\n"
+        "    with Path('shrunk.txt').open('a') as f:\n"
+        "        f.write(f\"{len(vector['steps'])}\\n\")\n"
+        "    return _real(vector, replay, **kwargs)\n\n\n"
+        "check.shrink = _noted\n")
+    env = {"KVPROOF_IMPL": MUTANT, "PYTHONPATH": str(tmp_path)}
+    args = ("-p", "shrinkspy", "--kvproof-config", "P4-H8-R4-C14", "--kvproof-profile", "ci")
+    default = run(tmp_path, *args, env=env)
+    assert default.returncode == 1 and "1 failed" in default.stdout, default.stdout[-3000:]
+    assert not (tmp_path / "shrunk.txt").exists()  # Hypothesis shrank it
+    out = run(tmp_path, *args, "--kvproof-shrink", "vector", env=env)
+    assert out.returncode == 1 and "1 failed" in out.stdout and "operations so far" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "shrunk.txt").read_text().strip()  # the vector shrinker did
+    bad = run(tmp_path, "--kvproof-shrink", "fast")
+    assert bad.returncode == 4 and "invalid choice: 'fast'" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_report_header_and_summary_name_the_implementation_and_unexercised_rules(tmp_path: Path) -> None:
     """After collection: implementation, version, capabilities, profile, seed; at the end: n/a and never-run rules."""
     (tmp_path / "myhost.py").write_text(
