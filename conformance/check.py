@@ -478,15 +478,20 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
             steps = first[0][1]
         elif by_vector:  # no engine shrank it: the vector is shrunk by replaying candidates
             progressed(stats)  # "shrinking", with the run's counts (what an interruption while shrinking reports)
+            replayed = functools.partial(_replayed, factory=factory, impl_name=impl_name, op_timeout=op_timeout,
+                                         hint=binding.replay_hint)
             try:
                 shrunk = shrink(make_vector(name, config, impl_name, machine_options, steps, failure),
-                                lambda v: _replayed(v, factory, impl_name, op_timeout, binding.replay_hint))
+                                lambda v: (0, None) if (r := replayed(v)) is None else (r.steps, r.failure))
+                # the report's evidence (op, step, operations: what the known-finding label reads) is the shrunk
+                # verdict's, as its text is; the unshrunk one's if that replay does not fail (an intermittent bug)
+                final = replayed(shrunk.vector) if shrunk is not None else None
             except KeyboardInterrupt as interrupt:
                 raise interrupted() from interrupt
             if shrunk is not None:
                 failure, steps = shrunk.failure, shrunk.vector["steps"]
-                stats.evidence = _evidence_of(shrunk.vector, factory, impl_name, op_timeout, binding.replay_hint,
-                                              stats.evidence)
+                if final is not None and final.failure is not None and final.evidence:
+                    stats.evidence = Evidence.from_json(final.evidence)
         vector = make_vector(name, config, impl_name, machine_options, steps, failure)
         if store is not None:
             saved = store.write(failure, vector)
@@ -542,27 +547,14 @@ def _unshrunk(text: str, steps: list[dict[str, Any]], component: str, config: An
 
 
 def _replayed(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: str, op_timeout: float | None,
-              hint: str) -> tuple[int, str | None]:
-    """A shrink candidate replayed in this process: (steps done before it failed, its failure or ``None``)."""
+              hint: str) -> ReplayResult | None:
+    """A vector replayed in this process (a shrink candidate, or the shrunk vector once more for its verdict's
+    evidence); ``None`` if its rules no longer apply."""
     try:
-        result = replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout, replay_hint=hint or None,
-                               isolation="in-process")
+        return replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout, replay_hint=hint or None,
+                             isolation="in-process")
     except VectorError:
-        return 0, None
-    return result.steps, result.failure
-
-
-def _evidence_of(vector: dict[str, Any], factory: Callable[[Any], Any], impl_name: str, op_timeout: float | None,
-                 hint: str, otherwise: Evidence | None) -> Evidence | None:
-    """The evidence of the verdict a shrunk ``vector`` ends in (its op, step and operations: what the report and the
-    known-finding label describe, with the shrunk failure's text), from one more replay; ``otherwise`` (the unshrunk
-    verdict's) if that replay does not fail (an intermittent implementation)."""
-    try:
-        result = replay_vector(vector, factory, impl_name=impl_name, op_timeout=op_timeout, replay_hint=hint or None,
-                               isolation="in-process")
-    except VectorError:
-        return otherwise
-    return Evidence.from_json(result.evidence) if result.failure is not None and result.evidence else otherwise
+        return None
 
 
 def _run_isolated(component: Component | str, factory: Callable[[Any], Any], config: Any, *,
