@@ -56,8 +56,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvproof-skip-file", default=None, help="lines 'component/config  # reason': skipped")
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
     group.addoption("--kvproof-shrink", default="hypothesis", choices=["hypothesis", "vector"],
-                    help="who shrinks a failure: Hypothesis' shrinker, or kvproof's vector shrinker (as kvproof conform "
-                         "--shrink)")
+                    help="who shrinks a failure: Hypothesis' shrinker, or kvproof's vector shrinker (as kvproof "
+                         "conform --shrink)")
     for option in options():
         group.addoption(f"--kvproof-{option.name}", default=option.default, choices=list(option.choices),
                         help=option.help)
