@@ -71,6 +71,7 @@ from kvproof.conformance.lockstep import (
     deadline_scope,
     escape_message,
 )
+from kvproof.conformance.modes import ENGINES, SHRINKERS
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
@@ -87,11 +88,6 @@ __all__ = ["DEFAULT_OP_TIMEOUT", "FAILURES_DIR", "CheckReport", "MutantVerdict",
 FAILURES_DIR = Path(".kvproof/failures")
 #: Seconds an implementation call may take before the run calls it hung.
 DEFAULT_OP_TIMEOUT = 60.0
-#: How a run draws its examples: Hypothesis' engine, or the breadth driver (kvproof.conformance.breadth).
-ENGINES = ("hypothesis", "breadth")
-#: Who shrinks a failure: Hypothesis (its shrink phase, on the choice sequence) or kvproof's vector shrinker
-#: (:mod:`kvproof.conformance.shrink`: replaying candidate vectors). The breadth engine always takes the vector.
-SHRINKERS = ("hypothesis", "vector")
 #: Seconds between two progress reports of a run (a report is a note from an isolated child).
 PROGRESS_S = 0.25
 

@@ -47,19 +47,12 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-from kvproof.conformance.check import (
-    DEFAULT_OP_TIMEOUT,
-    ENGINES,
-    FAILURES_DIR,
-    SHRINKERS,
-    CheckReport,
-    get_suite,
-    run_check,
-)
+from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, FAILURES_DIR, CheckReport, get_suite, run_check
 from kvproof.conformance.database import open_database, test_identity
 from kvproof.conformance.errors import RunInterrupted, UsageError, VectorError
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, fork_problem
 from kvproof.conformance.lockstep import RunProgress
+from kvproof.conformance.modes import ENGINES, SHRINKERS
 from kvproof.conformance.plan import PlannedTest
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FailureFile, saved_vectors, write_atomic
