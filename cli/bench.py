@@ -79,7 +79,6 @@ __all__ = [
     "admission_decisions_per_second",
     "admission_round_table",
     "lockstep_rate",
-    "lockstep_steps_per_second",
     "reference_pairs_per_second",
     "run_bench",
     "runtime_pairs_per_second",
@@ -165,13 +164,6 @@ def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, 
         for part, spent in report.split.items():
             split[part] += spent
     return LockstepRate(steps, seconds, dict(split))
-
-
-def lockstep_steps_per_second(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
-                              isolation: str = "in-process", engine: str = "hypothesis") -> tuple[float, int]:
-    """:func:`lockstep_rate`'s steps per second and steps."""
-    rate = lockstep_rate(examples, op_timeout, isolation, engine)
-    return rate.per_second, rate.steps
 
 
 def _fastest(examples: int, rounds: int, **variants: dict[str, Any]) -> dict[str, LockstepRate]:
