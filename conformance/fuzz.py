@@ -385,7 +385,8 @@ def _one_run(wid: int, spec: CampaignSpec, test: PlannedTest, db: Any, index: in
     try:
         report = run_check(test.component, test.impl.factory, test.config,
                            settings=fuzz_settings(spec.examples, spec.steps_per_example), impl_name=test.impl.spec,
-                           replay=test.replay_command("ci", None) + f" (fuzz run seed {seed}, --mode {spec.engine})",
+                           replay=(test.replay_command("ci", None, spec.shrink_with)
+                                   + f" (fuzz run seed {seed}, --mode {spec.engine})"),
                            op_timeout=spec.op_timeout, progress=progress, memory_limit_mb=spec.memory_limit_mb,
                            seed=seed, database=db, identity=identity(test), engine=spec.engine,
                            shrink_with=spec.shrink_with, **test.options)

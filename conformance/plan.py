@@ -144,11 +144,14 @@ class PlannedTest:
     def test_id(self) -> str:
         return f"{self.component.value}/{self.config.label()}"
 
-    def replay_command(self, profile: str, seed: int | None) -> str:
+    def replay_command(self, profile: str, seed: int | None, shrink_with: str = "hypothesis") -> str:
+        """The ``kvproof conform`` command that runs this test again: the same examples (``seed``) and the same
+        shrinker, so it ends at the same shrunk failure (``--shrink`` only where it is not the default)."""
         extra = "".join(f" --{name} {value}" for name, value in self.option_args.items())
         return (f"kvproof conform --component {self.component.value} --impl {self.impl.spec} "
                 f"--config {self.config.label()} --profile {profile}{extra}"
-                + (f" --seed {seed}" if isinstance(seed, int) else ""))
+                + (f" --seed {seed}" if isinstance(seed, int) else "")
+                + (f" --shrink {shrink_with}" if shrink_with != "hypothesis" else ""))
 
 
 @dataclass(frozen=True)
@@ -243,9 +246,9 @@ def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
     if test.selected and test.selected[0] == "skip":
         return Outcome(test.component.value, test.config.label(), "skipped", test.selected[1])
     report = run_check(test.component, test.impl.factory, test.config, profile=profile, impl_name=test.impl.spec,
-                       replay=test.replay_command(profile, seed), op_timeout=op_timeout, replay_saved=replay_saved,
-                       progress=progress, isolation=isolation, memory_limit_mb=memory_limit_mb,
-                       shrink_with=shrink_with, **test.options)
+                       replay=test.replay_command(profile, seed, shrink_with), op_timeout=op_timeout,
+                       replay_saved=replay_saved, progress=progress, isolation=isolation,
+                       memory_limit_mb=memory_limit_mb, shrink_with=shrink_with, **test.options)
     if harm and report.failure is not None and report.vector is not None:
         found = continue_for_harm(report.vector, test.impl.factory, impl_name=test.impl.spec, op_timeout=op_timeout,
                                   isolation=isolation, memory_limit_mb=memory_limit_mb)

@@ -44,6 +44,7 @@ def test_conform_catches_a_broken_implementation_with_a_replay_command() -> None
     assert "operations so far" in result.output
     assert ("replay: kvproof conform --component swa_allocator --impl "
             "kvproof.conformance.mutants.swa_allocator:TailStartOffByOne") in result.output
+    assert "--shrink" not in result.output  # the default shrinker is not named
 
 
 def test_conform_shrink_vector_reports_the_vector_shrunk_failure() -> None:
@@ -56,6 +57,10 @@ def test_conform_shrink_vector_reports_the_vector_shrunk_failure() -> None:
     assert "free succeeded; the reference raised InvalidOperation" in result.output
     assert "at step 1:" in result.output and "operations so far:\n  1. free(" in result.output
     assert "[misuse: " in result.output
+    # the replay command shrinks the same way, so it ends at this failure
+    assert ("replay: kvproof conform --component swa_allocator --impl "
+            "kvproof.conformance.mutants.swa_allocator:DoubleFreeAccepted --config P2-W3-F24-S12 --profile ci "
+            "--shrink vector") in result.output
     bad = run("conform", "--shrink", "fast")
     assert bad.exit_code == 2 and "'fast' is not one of 'hypothesis', 'vector'" in bad.output
 

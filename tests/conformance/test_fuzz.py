@@ -418,6 +418,8 @@ def test_a_campaign_shrinks_by_vector_when_asked(tmp_path: Path) -> None:
     (saved,) = (tmp_path / ".kvproof" / "failures").glob("*.json")
     vector = json.loads(saved.read_text())
     assert not vector.get("first_seen") and len(vector["steps"]) <= 2 and vector["steps"][-1]["rule"] == "misuse"
+    report = saved.with_suffix(".txt").read_text()  # its rerun command shrinks the same way
+    assert "--config P2-W3-F24-S12 --profile ci --shrink vector (fuzz run seed" in report, report[-2000:]
     replayed = subprocess.run([str(BIN / "kvproof"), "replay", str(saved)], cwd=tmp_path, capture_output=True,
                               text=True, timeout=120, check=False)
     assert replayed.returncode == 1 and "free succeeded" in replayed.stdout, replayed.stdout[-2000:]
