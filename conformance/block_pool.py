@@ -112,8 +112,11 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
         pool exhausted; a hit of two blocks; a request preempted and admitted again; a block evicted from the prefix
         cache; the prefix cache reset; an admission refused only for the free blocks its hit would take off the free
         queue; with a window, a block released for leaving it."""
-        # a request holds cdiv(L, B) full-attention blocks at most, and the pool must keep its window's blocks too
-        window = bp.contiguous_blocks_for_hit(config.sliding_window, config.block_size) if config.sliding_window else 0
+        # a request holds cdiv(L, B) full-attention blocks at most, and the pool must keep its window's blocks too:
+        # computing the token that opens its k-th block, it holds cdiv(W - 1, B) blocks of the W - 1 tokens before
+        # it and the token's own (the blocks before them released, remove_skipped_blocks, the null block not counted)
+        window = (bp.contiguous_blocks_for_hit(config.sliding_window, config.block_size) + 1
+                  if config.sliding_window else 0)
         longest = min(ceil_div(config.max_model_len, config.block_size), config.num_blocks - 1 - window)
         dims = {"requests running at once": 3, "blocks of one request": longest,
                 "pool exhausted": 1, "prefix-cache hit blocks": 2, "preemptions per example": 1,

@@ -204,8 +204,10 @@ def test_the_r3_boundary_is_counted_exactly_where_a_count_without_the_charge_div
         runtime = run_check("block_pool", BlockPoolRuntime, config, profile="ci", impl_name="runtime",
                             failures_dir=None, isolation="in-process")
         assert runtime.passed, runtime.failure
+        # the same examples; the failure shrunk by its vector (this test asks whether, not how short)
         mutant = run_check("block_pool", MUTANTS["free_hit_uncharged"], config, profile="ci",
-                           impl_name="mutant free_hit_uncharged", failures_dir=None, isolation="in-process")
+                           impl_name="mutant free_hit_uncharged", failures_dir=None, isolation="in-process",
+                           shrink_with="vector")
         if runtime.structure.get(dim, 0):
             reached.add(config.label())
         if not mutant.passed:
@@ -213,3 +215,19 @@ def test_the_r3_boundary_is_counted_exactly_where_a_count_without_the_charge_div
             killed.add(config.label())
     assert reached, f"no config reaches {dim!r}"
     assert reached == killed, f"{dim!r} reached on {sorted(reached)}; the mutant killed on {sorted(killed)}"
+
+
+@pytest.mark.parametrize("config", BLOCK_POOL_CONFIGS, ids=lambda c: c.label())
+def test_the_longest_request_declared_is_the_longest_one_request_alone_reaches(config: bp.BlockPoolConfig) -> None:
+    """The structure dimension "blocks of one request" declares the most a request can hold on ``config``: what one
+    request alone reaches computing one token a step (the fewest window blocks held per full block; the pool's other
+    requests and a prefix hit only take blocks away). A declared maximum it cannot reach would report every run
+    below it (B1-N9-W3-L8 once declared 6: the window's blocks a request holds include the new token's own)."""
+    state, tokens, longest = bp.initial_state(config), list(range(1, config.max_model_len + 1)), 0
+    for computed in range(config.max_model_len):
+        try:
+            state, _ = bp.allocate_slots(state, 0, tokens, computed, 1)
+        except OutOfMemory:
+            break
+        longest = max(longest, len(bp.get_block_ids(state, 0)[bp.FULL]))
+    assert SUITE.machine.structure(config)["blocks of one request"] == longest

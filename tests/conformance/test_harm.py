@@ -111,7 +111,7 @@ def test_no_continuation_is_said_so_with_the_reason() -> None:
     for component, mutants in (("hisparse_host", HOST_MUTANTS), ("decode_prealloc", DECODE_MUTANTS)):
         vector = next(r.vector for name, factory in sorted(mutants.items()) for config in get_suite(component).configs
                       if (r := run_check(component, factory, config, failures_dir=None, isolation="in-process",
-                                         impl_name=name)).vector is not None)
+                                         impl_name=name, shrink_with="vector")).vector is not None)
         factory = mutants[vector["impl"]]
         found = continue_for_harm(vector, factory, impl_name=vector["impl"], tries=2, isolation="in-process")
         assert found.harm is None and f"no continuation for component {component}" in found.text()
