@@ -44,7 +44,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvproof.conformance.modes import ENGINES, SHRINKERS
+from kvproof.conformance.modes import DEFAULT_ENGINE, DEFAULT_SHRINKER, ENGINES, SHRINKERS
 from kvproof.reference.errors import ConfigError
 from kvproof.reference.registry import Component, options
 
@@ -128,7 +128,7 @@ HARM = click.option(
          "reserved page handed out, a legal call that raises, or capacity lost. Printed under the shrunk trace.")
 
 SHRINK = click.option(
-    "--shrink", "shrink_with", type=click.Choice(list(SHRINKERS)), default="hypothesis", show_default=True,
+    "--shrink", "shrink_with", type=click.Choice(list(SHRINKERS)), default=DEFAULT_SHRINKER, show_default=True,
     help="Who shrinks a failure found by Hypothesis: its shrinker, or kvproof's vector shrinker (Hypothesis finds, "
          "then candidate vectors are replayed: seconds where Hypothesis can take minutes on a long stateful example; "
          "the breadth mode always uses it).")
@@ -318,7 +318,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
                    "(pip install 'kvproof[redis]').")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="The campaign's seed: each run's seed derives from it, its slice and its index.")
-@click.option("--mode", type=click.Choice(list(ENGINES)), default="hypothesis", show_default=True,
+@click.option("--mode", type=click.Choice(list(ENGINES)), default=DEFAULT_ENGINE, show_default=True,
               help="hypothesis: Hypothesis' engine; breadth: the same rules without it (swarm testing), failures "
                    "shrunk by replaying their vectors.")
 @click.option("--resume", is_flag=True,
@@ -369,8 +369,9 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
     for warning in the_plan.warnings:
         console.print(f"[yellow]warning: {warning}[/]")
     resumed = campaign.ledger.resumed
+    shrinker = "" if spec.shrink_with == DEFAULT_SHRINKER else f", shrink {spec.shrink_with}"
     console.print(f"kvproof fuzz: {len(spec.tests)} slice(s), {spec.workers} worker(s), {budget.text()}, mode "
-                  f"{spec.engine}{', shrink vector' if spec.shrink_with == 'vector' else ''}, seed {spec.seed}, "
+                  f"{spec.engine}{shrinker}, seed {spec.seed}, "
                   f"database {spec.db or '.kvproof/hypothesis'}"
                   + (f"; resuming campaign {spec.campaign_id}" if resumed else ""), markup=False, highlight=False)
     with ctrl_c(campaign, view):  # held through the summary: a second Ctrl-C while it prints is not a traceback

@@ -60,6 +60,7 @@ from rich.table import Table
 from kvproof.conformance.check import DEFAULT_OP_TIMEOUT, run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.modes import DEFAULT_ENGINE
 from kvproof.conformance.profiles import get_profile
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
@@ -143,7 +144,7 @@ class LockstepRate:
 
 
 def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, isolation: str = "in-process",
-                  engine: str = "hypothesis") -> LockstepRate:
+                  engine: str = DEFAULT_ENGINE) -> LockstepRate:
     """Checked lockstep steps against the runtime, over all conformance configs.
 
     ``op_timeout=None`` calls the implementation directly (no watchdog thread): the
@@ -179,7 +180,7 @@ def _fastest(examples: int, rounds: int, **variants: dict[str, Any]) -> dict[str
     return {name: max((r[name] for r in runs), key=lambda r: r.per_second) for name in variants}
 
 
-def fuzz_steps_per_second(workers: int, seconds: float, engine: str = "hypothesis") -> tuple[float, int]:
+def fuzz_steps_per_second(workers: int, seconds: float, engine: str = DEFAULT_ENGINE) -> tuple[float, int]:
     """A ``kvproof fuzz`` campaign over the ``swa_allocator`` slices for ``seconds`` on ``workers`` processes, in a
     scratch directory (its ledger, database and failure files go there): lockstep steps per second of wall-clock
     time (worker start and wind-down included) and the steps."""

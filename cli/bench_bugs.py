@@ -29,13 +29,14 @@ from rich.table import Table
 
 from kvproof.conformance.check import CheckReport, get_suite, mutants_of, run_check, structure_unreached
 from kvproof.conformance.errors import HarnessBug
+from kvproof.conformance.modes import ENGINES
 from kvproof.conformance.plan import PlannedTest, load_impls, plan
 from kvproof.conformance.profiles import get_profile
 from kvproof.reference.registry import Component, parse_components
 
 __all__ = ["SCENARIOS", "BugTarget", "Detection", "bug_targets", "detect", "run_bug_bench"]
 
-MODES = ("hypothesis", "breadth")
+MODES = ENGINES  # every engine, Hypothesis' first
 
 
 @dataclass(frozen=True)

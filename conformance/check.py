@@ -71,7 +71,7 @@ from kvproof.conformance.lockstep import (
     deadline_scope,
     escape_message,
 )
-from kvproof.conformance.modes import ENGINES, SHRINKERS
+from kvproof.conformance.modes import DEFAULT_ENGINE, DEFAULT_SHRINKER, ENGINES, SHRINKERS
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FIRST_SEEN, FailureFile, first_failing
@@ -287,8 +287,8 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
               failures_dir: Path | None = FAILURES_DIR, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
               replay_saved: bool = False, progress: Callable[[RunProgress], None] | None = None,
               isolation: str = "process", memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, seed: int | None = None,
-              database: ExampleDatabase | None = None, identity: str | None = None, engine: str = "hypothesis",
-              target: bool = False, shrink_with: str = "hypothesis", **machine_options: Any) -> CheckReport:
+              database: ExampleDatabase | None = None, identity: str | None = None, engine: str = DEFAULT_ENGINE,
+              target: bool = False, shrink_with: str = DEFAULT_SHRINKER, **machine_options: Any) -> CheckReport:
     """Drive ``factory(config)`` against the reference with ``component``'s suite; return the report.
 
     ``machine_options`` go to the suite's machine (e.g. ``decode_config`` for ``decode_prealloc``).

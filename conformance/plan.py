@@ -38,6 +38,7 @@ from kvproof.conformance.generation import forced_seed
 from kvproof.conformance.harm import continue_for_harm
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB
 from kvproof.conformance.lockstep import RunProgress
+from kvproof.conformance.modes import DEFAULT_SHRINKER
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.report import Outcome, RunInfo, Selection, impl_version
 from kvproof.reference.registry import Component, Layer, info, parse_components
@@ -144,14 +145,14 @@ class PlannedTest:
     def test_id(self) -> str:
         return f"{self.component.value}/{self.config.label()}"
 
-    def replay_command(self, profile: str, seed: int | None, shrink_with: str = "hypothesis") -> str:
+    def replay_command(self, profile: str, seed: int | None, shrink_with: str = DEFAULT_SHRINKER) -> str:
         """The ``kvproof conform`` command that runs this test again: the same examples (``seed``) and the same
         shrinker, so it ends at the same shrunk failure (``--shrink`` only where it is not the default)."""
         extra = "".join(f" --{name} {value}" for name, value in self.option_args.items())
         return (f"kvproof conform --component {self.component.value} --impl {self.impl.spec} "
                 f"--config {self.config.label()} --profile {profile}{extra}"
                 + (f" --seed {seed}" if isinstance(seed, int) else "")
-                + (f" --shrink {shrink_with}" if shrink_with != "hypothesis" else ""))
+                + (f" --shrink {shrink_with}" if shrink_with != DEFAULT_SHRINKER else ""))
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
                 op_timeout: float | None = DEFAULT_OP_TIMEOUT, replay_saved: bool = False,
                 progress: Callable[[RunProgress], None] | None = None, isolation: str = "process",
                 memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False,
-                shrink_with: str = "hypothesis") -> Outcome:
+                shrink_with: str = DEFAULT_SHRINKER) -> Outcome:
     """Run one planned test (not its skip: the caller decides) and classify the result.
 
     ``isolation`` / ``memory_limit_mb``: see :func:`~kvproof.conformance.check.run_check`. ``harm``: a failure
@@ -282,7 +283,7 @@ def run_plan(the_plan: Plan, *, profile: str, seed: int | None = None, op_timeou
              on_report: Callable[[CheckReport], None] | None = None, events: RunEvents | None = None,
              replay_saved: bool = False, isolation: str = "process",
              memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, harm: bool = False,
-             shrink_with: str = "hypothesis") -> tuple[list[Outcome], RunInfo]:
+             shrink_with: str = DEFAULT_SHRINKER) -> tuple[list[Outcome], RunInfo]:
     """Run every planned test under one seed; the outcomes and what every report states about the run.
 
     Ctrl-C ends the run: the interrupted test is an ``interrupted`` outcome (with the failure

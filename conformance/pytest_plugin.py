@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvproof.conformance.modes import SHRINKERS
+from kvproof.conformance.modes import DEFAULT_SHRINKER, SHRINKERS
 from kvproof.reference.registry import Component, options
 
 if TYPE_CHECKING:  # the plugin loads in every pytest session: the harness is imported when a kvproof test runs
@@ -56,7 +56,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvproof-seed", type=int, default=None, help="seed of a randomized profile (default: chosen)")
     group.addoption("--kvproof-skip-file", default=None, help="lines 'component/config  # reason': skipped")
     group.addoption("--kvproof-xfail-file", default=None, help="lines 'component/config  # reason': expected to fail")
-    group.addoption("--kvproof-shrink", default="hypothesis", choices=list(SHRINKERS),
+    group.addoption("--kvproof-shrink", default=DEFAULT_SHRINKER, choices=list(SHRINKERS),
                     help="who shrinks a failure: Hypothesis' shrinker, or kvproof's vector shrinker (as kvproof "
                          "conform --shrink)")
     for option in options():
