@@ -135,6 +135,8 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
     def structure(cls, config: AdmissionSetup) -> dict[str, int]:
         """Several requests waiting, admitted in one round and running at once; a refusal and two continuations of
         one request (where chunked prefill is on); the SWA pool exhausted; evictions and rounds in one example.
+        Without chunked prefill a request's prompt is never left after its round, so ``cache_finished_req``'s
+        ``prompt_left`` misuse cannot be staged there (maximum 0).
 
         ``add_chunked_req deferred`` is measured (the reports show it) but not a target: no default config reached
         it in 25,000 steps each (the continuation goes first in its round, and every policy's reservations leave
@@ -143,6 +145,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         chunked = config.config.chunk_size is not None
         return {"requests waiting at once": 8, "requests admitted in one round": 2, "requests running at once": 5,
                 "add_one_req refused": 1, "add_chunked_req per request": 2 if chunked else 0,
+                "misuse cache_finished_req:prompt_left": 1 if chunked else 0,
                 "swa pool exhausted": 1, "evict per example": 4, "get_new_batch_prefill per example": 6}
 
     def measure(self) -> dict[str, int]:

@@ -483,6 +483,7 @@ class SWAAllocatorMachine(SWALockstep):
         geo, aligned = config.kv, config.page_size == 1  # at P == 1 every length is page aligned
         if config.ring:  # no SWA page is ever taken (nothing to exhaust, re-map or release early); slots run out
             return {"misuse alloc_extend_swa_tail:unaligned_tail": 0 if aligned else 1,
+                    "misuse release_batch:unaligned_start": 0 if aligned else 1,
                     "misuse alloc_decode:swa_released": 0, "misuse free_full:live_swa_peer": 0,
                     "misuse release_batch:released_peer": 0, "misuse set_full_to_swa_mapping:foreign_swa_slot": 0,
                     "alloc_extend batch size": 3, "alloc_decode batch size": 3,
@@ -492,6 +493,7 @@ class SWAAllocatorMachine(SWALockstep):
                     "full layers written": len(geo.full_attention_layer_ids),
                     "swa layers written": len(geo.swa_attention_layer_ids)}
         return {"misuse alloc_extend_swa_tail:unaligned_tail": 0 if aligned else 1,  # U1 needs a page of P > 1
+                "misuse release_batch:unaligned_start": 0 if aligned else 1,  # so does a segment's unaligned start
                 "misuse alloc_decode:swa_released": 0 if aligned else 1,  # M5: an aligned request always extends
                 "alloc_extend batch size": 3, "alloc_decode batch size": 3,
                 "requests alive at once": min(4, config.num_pages_swa),
