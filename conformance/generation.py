@@ -116,10 +116,14 @@ def draw(data: Any, strategy: Any) -> Any:
 # ---------------------------------------------------------------- sampling a strategy without the engine
 
 
-def sample(strategy: Any, rng: random.Random, edge: float = 0.0) -> Any:
+def sample(strategy: Any, rng: random.Random, edge: float = 0.0, simple: float = 0.0) -> Any:
     """A value of ``strategy`` drawn with ``rng`` alone, without Hypothesis' engine (the breadth driver,
     :mod:`kvproof.conformance.breadth`); ``edge`` is the probability of an extreme (an integer's bounds, a list's
-    shortest or longest, the first branch of a ``one_of``: the suites put their page and window edges there).
+    shortest or longest, the first branch of a ``one_of``: the suites put their page and window edges there);
+    ``simple`` the probability of a value near where Hypothesis' draws lean: an integer skewed toward its lower bound
+    (``lo + (hi - lo + 1) * u**3``), a ``sampled_from``'s first element its filters keep. The suites order their
+    lists for that lean ("Hypothesis favours the first": the common case first, 0 pages last), and a run of small
+    requests is what fills a round or keeps many requests running at once.
 
     It reads the strategy objects Hypothesis builds for the constructors the suites use (``integers``,
     ``booleans``, ``sampled_from`` / ``just`` / ``none`` with ``map`` / ``filter``, ``one_of``, ``lists``
@@ -137,11 +141,18 @@ def sample(strategy: Any, rng: random.Random, edge: float = 0.0) -> Any:
             raise HarnessBug(f"breadth sampling needs bounded integers, got {strategy!r}")
         if rng.random() < edge:
             return rng.choice([v for v in (lo, hi, lo + 1, hi - 1) if lo <= v <= hi])
+        if simple and rng.random() < simple:
+            return lo + int((hi - lo + 1) * rng.random() ** 3)
         return rng.randint(lo, hi)
     if kind == "BooleansStrategy":
         return rng.random() < 0.5
     if kind in ("SampledFromStrategy", "JustStrategy"):
         elements = list(s.elements)
+        if simple and rng.random() < simple:
+            for element in elements:
+                ok, value = _transformed(s, element)
+                if ok:
+                    return value
         for _ in range(64):  # filters reject some elements: sample again (as Hypothesis does)
             i = (rng.choice([0, len(elements) - 1]) if rng.random() < edge else rng.randrange(len(elements)))
             ok, value = _transformed(s, elements[i])
@@ -151,17 +162,17 @@ def sample(strategy: Any, rng: random.Random, edge: float = 0.0) -> Any:
     if kind == "OneOfStrategy":
         branches = list(s.original_strategies)
         branch = branches[0] if rng.random() < edge else rng.choice(branches)
-        return sample(branch, rng, edge)
+        return sample(branch, rng, edge, simple)
     if kind == "MappedStrategy":
-        return s.pack(sample(s.mapped_strategy, rng, edge))
+        return s.pack(sample(s.mapped_strategy, rng, edge, simple))
     if kind == "FilteredStrategy":
         for _ in range(64):
-            value = sample(s.filtered_strategy, rng, edge)
+            value = sample(s.filtered_strategy, rng, edge, simple)
             if all(condition(value) for condition in s.flat_conditions):
                 return value
         raise HarnessBug(f"breadth sampling: {strategy!r} rejected 64 draws in a row")
     if kind in ("ListStrategy", "UniqueListStrategy", "UniqueSampledListStrategy"):
-        return _sample_list(s, rng, edge, unique=kind != "ListStrategy")
+        return _sample_list(s, rng, edge, simple, unique=kind != "ListStrategy")
     if kind == "PermutationStrategy":
         values = list(s.values)
         rng.shuffle(values)
@@ -180,7 +191,7 @@ def _transformed(s: Any, value: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def _sample_list(s: Any, rng: random.Random, edge: float, *, unique: bool) -> list[Any]:
+def _sample_list(s: Any, rng: random.Random, edge: float, simple: float, *, unique: bool) -> list[Any]:
     lo = s.min_size or 0
     hi = s.max_size if s.max_size is not None and s.max_size != float("inf") else lo + 8
     n = rng.choice([lo, hi]) if rng.random() < edge else rng.randint(lo, hi)
@@ -189,7 +200,7 @@ def _sample_list(s: Any, rng: random.Random, edge: float, *, unique: bool) -> li
     for _ in range(n * 8 + 8):
         if len(out) == n:
             break
-        value = sample(s.element_strategy, rng, edge)
+        value = sample(s.element_strategy, rng, edge, simple)
         key = repr(value)
         if unique and key in seen:
             continue

@@ -5,6 +5,7 @@ and a planted bug is found and its vector shrunk and replayed."""
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvproof.conformance.breadth import EDGES, Swarm, _choose, swarm
+from kvproof.conformance.breadth import EDGES, SIMPLE, Swarm, _choose, swarm
 from kvproof.conformance.check import get_suite, replay_vector, run_check
 from kvproof.conformance.errors import HarnessBug
 from kvproof.conformance.generation import sample
@@ -30,17 +31,17 @@ def _small(examples: int, steps: int) -> settings:
 
 @pytest.mark.parametrize("component", [c.value for c in SUITES])
 def test_every_declared_strategy_is_sampled_within_its_bounds(component: str) -> None:
-    """Each rule's declared argument strategies, sampled at every edge probability: values Hypothesis could draw
-    (an integer within its bounds, an element of a ``sampled_from``); a strategy ``sample`` does not know is a
-    HarnessBug, never a silent default."""
+    """Each rule's declared argument strategies, sampled at every edge and simple-draw probability: values Hypothesis
+    could draw (an integer within its bounds, an element of a ``sampled_from``); a strategy ``sample`` does not know
+    is a HarnessBug, never a silent default."""
     machine = get_suite(component).machine
     rng = random.Random(0)
     declared = [(op.name, name, strategy) for op in machine.operations.values() for name, strategy in op.strategies
                 if name != "data"]
     for rule, name, strategy in declared:
-        for edge in EDGES:
-            for _ in range(50):
-                value = sample(strategy, rng, edge)
+        for edge, simple in itertools.product(EDGES, SIMPLE):
+            for _ in range(20):
+                value = sample(strategy, rng, edge, simple)
                 assert _could_draw(strategy, value), (rule, name, strategy, value)
 
 
@@ -70,6 +71,17 @@ def test_edges_are_drawn_at_the_rate_asked() -> None:
     rng = random.Random(1)
     assert {sample(st.integers(10, 1000), rng, 1.0) for _ in range(200)} <= {10, 11, 999, 1000}
     assert len({sample(st.integers(10, 1000), rng, 0.0) for _ in range(200)}) > 100
+
+
+def test_simple_draws_lean_where_hypothesis_does() -> None:
+    """With simple-draw probability 1 an integer leans to its lower bound (``lo + n * u**3``: half of them in the
+    lowest eighth of the range) and a ``sampled_from`` gives the first element its filter keeps; with 0 neither."""
+    rng = random.Random(2)
+    low = [sample(st.integers(0, 799), rng, 0.0, 1.0) for _ in range(400)]
+    assert all(0 <= v <= 799 for v in low) and sum(v < 100 for v in low) > 160
+    assert sum(sample(st.integers(0, 799), rng, 0.0, 0.0) < 100 for _ in range(400)) < 80
+    assert {sample(st.sampled_from([3, 1, 2]).filter(lambda v: v != 3), rng, 0.0, 1.0) for _ in range(50)} == {1}
+    assert len({sample(st.sampled_from([3, 1, 2]), rng, 0.0, 0.0) for _ in range(50)}) == 3
 
 
 class _Rules:
@@ -129,13 +141,16 @@ def test_every_suite_runs_under_the_breadth_driver(component: str, no_rank_left:
 
 def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     """A mutant of the SWA allocator that accepts bad frees, under the breadth driver: found, its vector shrunk to
-    the one misuse that shows it, which fails again when replayed; the runtime itself passes the same run."""
+    the one misuse of ``free`` that shows it (which one depends on the seed: a double free accepted, a slot past
+    the pool crashing), which fails again when replayed with the same verdict; the runtime itself passes the same
+    run."""
     config = get_suite(Component.SWA_ALLOCATOR).configs[1]
     kwargs: dict[str, Any] = dict(settings=_small(60, 30), seed=0, engine="breadth", isolation="in-process",
                                   failures_dir=None)
     report = run_check(Component.SWA_ALLOCATOR, MUTANTS["double_free_accepted"], config, **kwargs)
-    verdict = "free succeeded; the reference raised InvalidOperation"
-    assert report.failure is not None and verdict in report.failure
+    assert report.failure is not None and report.evidence is not None and report.evidence["op"] == "free"
+    verdict = report.failure.splitlines()[1].strip()  # the op, what it did, what the reference raised
+    assert verdict.startswith("free ") and "InvalidOperation" in verdict and "[misuse: " in report.failure, verdict
     assert report.vector is not None and report.detected_steps is not None
     assert len(report.vector["steps"]) == 1 and report.vector["steps"][0]["rule"] == "misuse"  # shrunk from 30
     # the evidence (the kill matrix's, the known-finding label's) is the shrunk verdict's, as the text is
