@@ -17,6 +17,9 @@ What a multi-rank runtime (``kvproof.gpu_runtime.tp_prefetch``) or an adapter of
   once (terminate, then kill) and the caller gets every rank's partial report;
 * **nothing left behind**: :meth:`RankGroup.close` (also at interpreter exit) ends every rank; a rank also exits
   when the parent's connection closes, and, on Linux, receives ``SIGKILL`` when its parent dies (``PR_SET_PDEATHSIG``).
+  Nor on disk, even when the parent is killed or ends with ``os._exit`` (a forked, isolated check): the socket has
+  an abstract name on Linux (elsewhere, a temporary directory removed once the ranks have connected), and each
+  rank's stderr goes to an unnamed temporary file.
 
 Upstream SGLang runs the same collectives over its TP group's gloo sub-groups (upstream_0523_vllm_fuzz.md §2.4).
 """
@@ -165,6 +168,8 @@ def _rank_main(rank: int, world_size: int, address: str, timeout_s: float) -> No
     global _conn, _real_all_reduce, _device
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if address.startswith("@"):  # an abstract socket's name (RankGroup): argv cannot carry its leading NUL
+        address = "\0" + address[1:]
     conn = multiprocessing.connection.Client(address, family="AF_UNIX",
                                              authkey=bytes.fromhex(os.environ.pop("KVPROOF_RANK_KEY")))
     conn.send(rank)
@@ -235,20 +240,28 @@ class RankGroup:
         self.owner = os.getpid()  # a forked child must not use (or stop) its parent's group
         self._conns: list[Any] = [None] * world_size
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._dir = tempfile.mkdtemp(prefix="kvproof-ranks-")
+        self._stderrs: list[Any] = []  # each rank's stderr: an unnamed file (nothing on disk to leave behind)
+        self._dir = ""  # where the socket lives until the ranks connect, off Linux (on Linux: an abstract name)
         started = time.monotonic()
         _GROUPS.add(self)
         try:
             key = secrets.token_bytes(16)
-            address = os.path.join(self._dir, "sock")
+            if sys.platform.startswith("linux"):  # abstract socket: a name with no file, gone with the listener
+                name = f"kvproof-ranks-{os.getpid()}-{secrets.token_hex(8)}"
+                address, passed = "\0" + name, "@" + name  # argv cannot carry the NUL: the rank restores it
+            else:
+                self._dir = tempfile.mkdtemp(prefix="kvproof-ranks-")
+                address = passed = os.path.join(self._dir, "sock")
             listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
             env = dict(os.environ, KVPROOF_RANK_KEY=key.hex())
             for rank in range(world_size):  # python -m: no re-import of the caller's __main__ (unlike spawn)
-                with open(self._stderr(rank), "wb") as err:  # kept for a dead rank's verdict, not on the console
-                    self._procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "kvproof.gpu_runtime._ranks", str(rank), str(world_size), address,
-                         repr(collective_timeout)], env=env, stdin=subprocess.DEVNULL, stderr=err))
+                err = tempfile.TemporaryFile(prefix="kvproof-rank-")  # noqa: SIM115 - open until close()
+                self._stderrs.append(err)  # a dead rank's last words (not on the console)
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvproof.gpu_runtime._ranks", str(rank), str(world_size), passed,
+                     repr(collective_timeout)], env=env, stdin=subprocess.DEVNULL, stderr=err))
             self._accept(listener, started + start_timeout)
+            self._remove_dir()  # every rank is connected: the socket's name is no longer needed
             port = self._expect(0, "port", started + start_timeout)
             for conn in self._conns[1:]:
                 conn.send(port)
@@ -258,17 +271,28 @@ class RankGroup:
             self.close()
             raise
 
-    def _stderr(self, rank: int) -> str:
-        return os.path.join(self._dir, f"rank{rank}.stderr")
+    def _remove_dir(self) -> None:
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
 
     def last_words(self, rank: int) -> str:
         """The last line a rank wrote to stderr that is not a warning (what a dead rank said), or ``""``."""
         try:
-            with open(self._stderr(rank), errors="replace") as f:
-                lines = [ln.strip() for ln in f if ln.strip() and "Warning" not in ln and "warn" not in ln]
-        except OSError:
+            fd = self._stderrs[rank].fileno()
+            text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")  # pread: the rank's offset stays
+        except (IndexError, OSError, ValueError):
             return ""
-        return lines[-1][:300] if lines else ""
+        said, warning = [], False
+        for line in text.splitlines():
+            if "Warning" in line or "warn" in line:  # a warning (torch's about numpy, ...)
+                warning = True
+            elif warning and line[:1].isspace():  # and the source line Python prints under it
+                pass
+            elif line.strip():
+                said.append(line.strip())
+                warning = False
+        return said[-1][:300] if said else ""
 
     def _accept(self, listener: Any, deadline: float) -> None:
         """Each rank connects and names itself; a rank that dies or never connects fails the start (bounded)."""
@@ -416,8 +440,10 @@ class RankGroup:
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
-        self._procs, self._conns = [], []
-        shutil.rmtree(self._dir, ignore_errors=True)
+        for err in self._stderrs:
+            err.close()
+        self._procs, self._conns, self._stderrs = [], [], []
+        self._remove_dir()
         if not self.broken:
             self.broken = "closed"
         _GROUPS.discard(self)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -174,9 +175,26 @@ def test_the_group_refuses_bad_sizes_and_a_broken_group() -> None:
         group_.command("snapshot")
 
 
-def test_ranks_die_with_a_killed_parent() -> None:
+def test_a_dead_rank_is_named_with_its_last_words() -> None:
+    """A rank that dies in a command is reported dead, with its exit code and the last line it wrote to stderr (kept
+    in an unnamed file); the group is broken and torn down."""
+    group_ = _ranks.RankGroup(2, collective_timeout=TIMEOUT)
+    try:
+        group_.command("__init__", [("types:SimpleNamespace", {"say": os.write, "die": os._exit})] * 2)
+        group_.command("say", [(2, b"UserWarning: not these\n"), (2, b"rank 1: the pool ran dry\nUserWarning: x\n")])
+        replies = group_.command("die", [(0,), (3,)])
+        assert [r.status for r in replies] == ["dead", "dead"]
+        assert replies[0].error == "rank 0 died (exit code 0)"
+        assert replies[1].error == "rank 1 died (exit code 3): rank 1: the pool ran dry"
+        assert "rank 1 dead" in group_.broken and not group_.alive()
+    finally:
+        group_.close()
+
+
+def test_ranks_die_with_a_killed_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL (no atexit, no close) leaves no rank behind: each rank exits when its connection
-    closes, or the kernel kills it (PR_SET_PDEATHSIG)."""
+    closes, or the kernel kills it (PR_SET_PDEATHSIG). Nor anything on disk: its temporary directory stays empty (a
+    forked, isolated check ends with ``os._exit``, as a killed one, without closing its groups)."""
     script = textwrap.dedent("""
         import sys, time
         from kvproof.gpu_runtime import _ranks
@@ -184,11 +202,15 @@ def test_ranks_die_with_a_killed_parent() -> None:
         print(" ".join(map(str, g.pids)), flush=True)
         time.sleep(60)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TMPDIR=str(tmp)))
     try:
         line = parent.stdout.readline() if parent.stdout else ""
         pids = [int(x) for x in line.split()]
         assert len(pids) == 2
+        assert not list(tmp.iterdir()), "a started group left files in its temporary directory"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 10
@@ -197,6 +219,7 @@ def test_ranks_die_with_a_killed_parent() -> None:
             alive = [p for p in pids if _alive(p)]
             time.sleep(0.05)
         assert not alive, f"ranks {alive} outlived their killed parent"
+        assert not list(tmp.iterdir()), "a killed group left files in its temporary directory"
     finally:
         if parent.poll() is None:
             parent.kill()
