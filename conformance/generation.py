@@ -119,9 +119,10 @@ def draw(data: Any, strategy: Any) -> Any:
 def sample(strategy: Any, rng: random.Random, edge: float = 0.0, simple: float = 0.0) -> Any:
     """A value of ``strategy`` drawn with ``rng`` alone, without Hypothesis' engine (the breadth driver,
     :mod:`kvproof.conformance.breadth`); ``edge`` is the probability of an extreme (an integer's bounds, a list's
-    shortest or longest, the first branch of a ``one_of``: the suites put their page and window edges there);
-    ``simple`` the probability of a value near where Hypothesis' draws lean: an integer skewed toward its lower bound
-    (``lo + (hi - lo + 1) * u**3``), a ``sampled_from``'s first element its filters keep. The suites order their
+    shortest or longest, a ``sampled_from``'s first or last element, the first branch of a ``one_of``: the suites put
+    their page and window edges there); otherwise ``simple`` is the probability of a value near where Hypothesis'
+    draws lean: an integer skewed toward its lower bound (``lo + (hi - lo + 1) * u**3``), a ``sampled_from``'s first
+    element its filters keep. The suites order their
     lists for that lean ("Hypothesis favours the first": the common case first, 0 pages last), and a run of small
     requests is what fills a round or keeps many requests running at once.
 
@@ -148,14 +149,19 @@ def sample(strategy: Any, rng: random.Random, edge: float = 0.0, simple: float =
         return rng.random() < 0.5
     if kind in ("SampledFromStrategy", "JustStrategy"):
         elements = list(s.elements)
-        if simple and rng.random() < simple:
-            for element in elements:
-                ok, value = _transformed(s, element)
-                if ok:
-                    return value
-        for _ in range(64):  # filters reject some elements: sample again (as Hypothesis does)
-            i = (rng.choice([0, len(elements) - 1]) if rng.random() < edge else rng.randrange(len(elements)))
+        last = len(elements) - 1
+        if rng.random() < edge:  # an extreme: the first or the last element, the other if filtered out
+            picks = [0, last] if rng.random() < 0.5 else [last, 0]
+        elif simple and rng.random() < simple:  # the first element the filters keep
+            picks = list(range(len(elements)))
+        else:
+            picks = []
+        for i in picks:
             ok, value = _transformed(s, elements[i])
+            if ok:
+                return value
+        for _ in range(64):  # filters reject some elements: sample again (as Hypothesis does)
+            ok, value = _transformed(s, elements[rng.randrange(len(elements))])
             if ok:
                 return value
         raise HarnessBug(f"breadth sampling: {strategy!r} rejected 64 draws in a row")

@@ -84,6 +84,21 @@ def test_simple_draws_lean_where_hypothesis_does() -> None:
     assert len({sample(st.sampled_from([3, 1, 2]), rng, 0.0, 0.0) for _ in range(50)}) == 3
 
 
+def test_an_extreme_is_decided_before_a_simple_value_for_every_kind() -> None:
+    """The same order for an integer and a ``sampled_from``: an extreme with probability ``edge``, otherwise a simple
+    value with probability ``simple``. So a ``sampled_from`` gives its last element as often as an integer its upper
+    bound, whatever ``simple`` is."""
+    rng = random.Random(4)
+    picks = collections.Counter(sample(st.sampled_from([0, 1, 2, 3, 4]), rng, 1.0, 1.0) for _ in range(400))
+    assert set(picks) == {0, 4} and picks[4] > 150
+    assert {sample(st.sampled_from([0, 1, 2, 3, 4]).filter(lambda v: v != 4), rng, 1.0, 1.0) for _ in range(50)} == {0}
+    # edge 0.5 and simple 1: half the draws are extremes. The last of a sampled_from is one of 2 extremes (about 500
+    # of 2,000), an integer's upper bound one of 4 (about 250); the other half is simple: the first, or near lo
+    for strategy, extremes in ((st.sampled_from(range(800)), 2), (st.integers(0, 799), 4)):
+        tops = sum(sample(strategy, rng, 0.5, 1.0) == 799 for _ in range(2000))
+        assert abs(tops - 1000 / extremes) < 80, (strategy, tops)
+
+
 class _Rules:
     """A stand-in machine for the rule choice: ``enabled`` says which rules' preconditions hold."""
 
@@ -141,9 +156,9 @@ def test_every_suite_runs_under_the_breadth_driver(component: str, no_rank_left:
 
 def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     """A mutant of the SWA allocator that accepts bad frees, under the breadth driver: found, its vector shrunk to
-    the one misuse of ``free`` that shows it (which one depends on the seed: a double free accepted, a slot past
-    the pool crashing), which fails again when replayed with the same verdict; the runtime itself passes the same
-    run."""
+    the misuse of ``free`` that shows it and what it needs (which misuse depends on the seed: a slot past the pool
+    crashing needs nothing before it, a double free accepted the allocation it frees), which fails again when
+    replayed with the same verdict; the runtime itself passes the same run."""
     config = get_suite(Component.SWA_ALLOCATOR).configs[1]
     kwargs: dict[str, Any] = dict(settings=_small(60, 30), seed=0, engine="breadth", isolation="in-process",
                                   failures_dir=None)
@@ -152,10 +167,12 @@ def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     verdict = report.failure.splitlines()[1].strip()  # the op, what it did, what the reference raised
     assert verdict.startswith("free ") and "InvalidOperation" in verdict and "[misuse: " in report.failure, verdict
     assert report.vector is not None and report.detected_steps is not None
-    assert len(report.vector["steps"]) == 1 and report.vector["steps"][0]["rule"] == "misuse"  # shrunk from 30
+    steps = report.vector["steps"]  # shrunk from up to 30: a slot past the pool needs no step before it, a slot
+    assert steps[-1]["rule"] == "misuse" and steps[-1]["draws"][0].startswith("free:")  # freed twice its allocation
+    assert len(steps) == (2 if steps[-1]["draws"][0] == "free:duplicate_slot" else 1), steps
     # the evidence (the kill matrix's, the known-finding label's) is the shrunk verdict's, as the text is
-    assert report.evidence is not None and report.evidence["step"] == 1 and len(report.evidence["ops"]) == 1
-    assert "at step 1:" in report.failure
+    assert report.evidence is not None and report.evidence["step"] == len(steps) == len(report.evidence["ops"])
+    assert f"at step {len(steps)}:" in report.failure
     replayed = replay_vector(report.vector, MUTANTS["double_free_accepted"], isolation="in-process")
     assert replayed.failure is not None and verdict in replayed.failure
     assert run_check(Component.SWA_ALLOCATOR, SWATokenToKVPoolAllocator, config, **kwargs).passed
