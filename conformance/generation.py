@@ -122,9 +122,9 @@ def sample(strategy: Any, rng: random.Random, edge: float = 0.0, simple: float =
     shortest or longest, a ``sampled_from``'s first or last element, the first branch of a ``one_of``: the suites put
     their page and window edges there); otherwise ``simple`` is the probability of a value near where Hypothesis'
     draws lean: an integer skewed toward its lower bound (``lo + (hi - lo + 1) * u**3``), a ``sampled_from``'s first
-    element its filters keep. The suites order their
-    lists for that lean ("Hypothesis favours the first": the common case first, 0 pages last), and a run of small
-    requests is what fills a round or keeps many requests running at once.
+    element its filters keep. The suites order their lists for that lean ("Hypothesis favours the first": the common
+    case first, 0 pages last), and a run of small requests is what fills a round or keeps many requests running at
+    once.
 
     It reads the strategy objects Hypothesis builds for the constructors the suites use (``integers``,
     ``booleans``, ``sampled_from`` / ``just`` / ``none`` with ``map`` / ``filter``, ``one_of``, ``lists``

@@ -167,8 +167,9 @@ def test_a_planted_bug_is_found_shrunk_and_replays() -> None:
     verdict = report.failure.splitlines()[1].strip()  # the op, what it did, what the reference raised
     assert verdict.startswith("free ") and "InvalidOperation" in verdict and "[misuse: " in report.failure, verdict
     assert report.vector is not None and report.detected_steps is not None
-    steps = report.vector["steps"]  # shrunk from up to 30: a slot past the pool needs no step before it, a slot
-    assert steps[-1]["rule"] == "misuse" and steps[-1]["draws"][0].startswith("free:")  # freed twice its allocation
+    # shrunk from up to 30 steps: a slot past the pool needs nothing before it, a double free the allocation it frees
+    steps = report.vector["steps"]
+    assert steps[-1]["rule"] == "misuse" and steps[-1]["draws"][0].startswith("free:")
     assert len(steps) == (2 if steps[-1]["draws"][0] == "free:duplicate_slot" else 1), steps
     # the evidence (the kill matrix's, the known-finding label's) is the shrunk verdict's, as the text is
     assert report.evidence is not None and report.evidence["step"] == len(steps) == len(report.evidence["ops"])
