@@ -19,9 +19,10 @@ rank made (``torch.distributed.all_reduce`` is wrapped for the duration: 0.5.23 
 The lockstep suite drives the same worker through :class:`SGLangTPPrefetch` (``--impl
 kvproof.conformance.adapters.sglang_tp_prefetch:SGLangTPPrefetch``): one :class:`SGLangRank` per rank process of
 kvproof's shared harness (:mod:`kvproof.gpu_runtime._ranks`), the collectives named and projected there.
-:func:`run_ranks` is a small self-contained launcher (spawned processes, a free loopback port, a bounded wait, every
-process killed and joined) for scripted scenarios the suite does not draw (``fill_host``: another request's
-buffers, F7's two requests in flight, the Rust tree core, ``match_prefix`` under the consensus checker).
+:func:`run_ranks` is a small self-contained launcher (processes forked from a fork server that imported SGLang once,
+a free loopback port, a bounded wait, every process killed and joined) for scripted scenarios the suite does not draw
+(``fill_host``: another request's buffers, F7's two requests in flight, the Rust tree core, ``match_prefix`` under
+the consensus checker).
 """
 
 from __future__ import annotations
@@ -1084,15 +1085,32 @@ def _rank_main(rank: int, world_size: int, port: int, group: dict[str, Any], scr
                 torch.distributed.destroy_process_group()
 
 
+#: what the fork server imports once (SGLang's modules, with kvproof's stand-ins), so that a rank starts in a fork
+PRELOAD = "kvproof.conformance.adapters.sglang_preload"
+
+
+def _rank_context(rank_consensus: bool) -> Any:
+    """How :func:`run_ranks` starts its ranks: forked from a fork server that imported SGLang once (a rank starts in
+    well under a second instead of re-importing SGLang, about 6 s of CPU each on a 2-core machine); a fresh spawned
+    interpreter where the group turns SGLang's rank consensus checker on, which SGLang reads at its import. The fork
+    server is a fresh interpreter too (nothing of the caller's state, no CUDA), single-threaded, started on first use;
+    it exits with this process."""
+    import multiprocessing
+
+    if rank_consensus:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])
+    return ctx
+
+
 def run_ranks(world_size: int, group: dict[str, Any], script: list[Any], timeout_s: float = 120.0,
               collective_timeout_s: float = 5.0) -> list[list[dict[str, Any]]]:
     """Run ``script`` (``[(method, args)]``; for ``initial_state`` ``args`` is one ``(request_pages, progress)`` per
-    rank) on ``world_size`` spawned rank processes in lockstep; each rank's replies in order (a failed step ends with
-    ``{"error": ...}``; a rank that never answered gets ``{"error": "no reply ..."}``). Never hangs: the parent waits at
-    most ``timeout_s`` in all, then kills and joins every process."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    rank) on ``world_size`` rank processes (started by :func:`_rank_context`) in lockstep; each rank's replies in
+    order (a failed step ends with ``{"error": ...}``; a rank that never answered gets ``{"error": "no reply ..."}``).
+    Never hangs: the parent waits at most ``timeout_s`` in all, then kills and joins every process."""
+    ctx = _rank_context(bool(group.get("rank_consensus")))
     replies = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, group, script, replies,
