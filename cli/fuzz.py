@@ -34,7 +34,7 @@ def _rate(steps: int, seconds: float) -> str:
 def _row(component: str, tallies: list[SliceTally], elapsed: float) -> list[str]:
     steps = sum(t.total_steps for t in tallies)
     covered = set().union(*(t.rules_covered() for t in tallies))
-    rules = set().union(*(set(t.rules) for t in tallies))
+    rules = set().union(*(t.applicable_rules() for t in tallies))  # not those the capabilities rule out
     never = sorted(rules - covered)
     failures = sum(len(t.failures) for t in tallies)
     replayed = sum(t.replayed for t in tallies)
@@ -69,7 +69,8 @@ def summary_table(campaign: Campaign, title: str) -> Table:
 def summarize(console: Console, campaign: Campaign, status: str,
               accepted: tuple[tuple[Any, str], ...] = ()) -> int:
     """The summary of a campaign that ended with ``status``: the table, each failure (its finding and its replay
-    command), the known findings it looked past (``accepted``: (component, finding) pairs of the plan; one that never
+    command), the rules the implementation cannot run (capabilities not declared: counted neither covered nor never
+    covered), the known findings it looked past (``accepted``: (component, finding) pairs of the plan; one that never
     occurred in a complete campaign is a failure, strict), the structural dimensions below their maximum, the
     fingerprint; the exit code (0 nothing found, 1 a failure found or still failing, 2 a harness error, 130 stopped by
     Ctrl-C)."""
@@ -81,6 +82,13 @@ def summarize(console: Console, campaign: Campaign, status: str,
         where = (f"; saved to {failure.file}; replay: kvproof replay {failure.file.removesuffix('.txt')}.json"
                  if failure.file else "")
         console.print(f"  known finding: {failure.finding}{where}", **plain)
+    groups: dict[tuple[str, ...], list[str]] = {}  # as conform prints them: capabilities may differ per config
+    for name, tally in sorted(campaign.tallies.items()):
+        if tally.not_applicable:
+            groups.setdefault(tally.not_applicable, []).append(name)
+    for rules, slices in groups.items():
+        console.print(f"not applicable (capabilities not declared) on {', '.join(slices)}: {len(rules)} rule(s): "
+                      f"{', '.join(rules)}", **plain)
     unseen = []
     for component, finding in accepted:
         seen = sum(t.accepted.get(finding, 0) for t in campaign.tallies.values() if t.component == component.value)

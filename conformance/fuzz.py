@@ -209,7 +209,7 @@ class SliceTally:
 
     slice: str
     component: str
-    rules: tuple[str, ...]  # the rules the slice's implementation can run
+    rules: tuple[str, ...]  # the rules the suite declares on the slice's config
     runs: int = 0
     examples: int = 0
     steps: int = 0
@@ -224,6 +224,8 @@ class SliceTally:
     still_failing: int = 0
     done: bool = False  # not fuzzed any further (it fails)
     accepted: Counter[str] = field(default_factory=Counter)  # occurrences of each known finding looked past
+    #: the rules (and misuse cases) the implementation cannot run, its capabilities not declared (known after a run)
+    not_applicable: tuple[str, ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -239,6 +241,10 @@ class SliceTally:
         for k, v in (self.live.structure if self.live else {}).items():
             out[k] = max(v, out.get(k, 0))
         return out
+
+    def applicable_rules(self) -> set[str]:
+        """The rules the implementation can run: the suite's on this config, less those its capabilities rule out."""
+        return set(self.rules) - set(self.not_applicable)
 
     def rules_covered(self) -> set[str]:
         live = {r for r, n in (self.live.rules if self.live else {}).items() if n}
@@ -410,13 +416,15 @@ class _RunSummary:
     fingerprint: str
     failure: Failure | None
     accepted: dict[str, int] = field(default_factory=dict)
+    not_applicable: tuple[str, ...] = ()
 
 
 def _summary(report: CheckReport, seed: int) -> _RunSummary:
     failure = None if report.passed else Failure("", report.failure or "", report.failure_file, False, seed,
                                                  report.finding)
     return _RunSummary(report.steps, report.examples, report.seconds, dict(report.rules), dict(report.structure),
-                       dict(report.structure_targets), report.fingerprint, failure, dict(report.accepted))
+                       dict(report.structure_targets), report.fingerprint, failure, dict(report.accepted),
+                       tuple(report.not_applicable))
 
 
 # ---------------------------------------------------------------- the campaign (the caller's process)
@@ -549,6 +557,7 @@ class Campaign:
             tally.targets = summary.targets
             tally.fingerprints[index] = summary.fingerprint
             tally.accepted.update(summary.accepted)
+            tally.not_applicable = summary.not_applicable
             for k, v in summary.structure.items():
                 tally.structure[k] = max(v, tally.structure.get(k, 0))
             failure = None

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from kvproof.conformance.check import get_suite
 from kvproof.conformance.errors import UsageError
 from kvproof.conformance.fuzz import Budget, Ledger, parse_duration, run_seed
 from kvproof.conformance.saved import FIRST_SEEN
+from kvproof.reference.registry import Component
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and fork")
 
@@ -33,6 +35,7 @@ BIN = Path(sys.executable).parent
 SLOW_LEAK = '''
 import time
 from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference.contract import Capability
 
 
 class SlowLeak(SWATokenToKVPoolAllocator):
@@ -64,6 +67,15 @@ class QuickLeak(SWATokenToKVPoolAllocator):
 
 
 QuickLeak.components = ("swa_allocator",)
+
+
+class WithoutBackup(SWATokenToKVPoolAllocator):
+    """kvproof's runtime that declares neither backup_state / restore_state nor typed misuse errors."""
+
+    capabilities = SWATokenToKVPoolAllocator.capabilities - {Capability.BACKUP_RESTORE, Capability.REJECTS_MISUSE}
+
+
+WithoutBackup.components = ("swa_allocator",)
 
 '''
 CONFIG = "P2-W3-F24-S12"
@@ -140,6 +152,24 @@ def test_a_campaign_of_every_component_shows_progress_and_a_summary(tmp_path: Pa
     assert "kvproof fuzz: complete after" in table and "fingerprint" in table
     assert "... kvproof fuzz (hypothesis, 2 worker(s), seed 0): running" in out.stderr
     assert list((tmp_path / ".kvproof" / "fuzz").glob("*.json"))
+
+
+def test_rules_the_capabilities_rule_out_are_reported_apart_from_the_rules_never_covered(tmp_path: Path) -> None:
+    """An implementation without backup / restore and typed misuse errors: those rules are not applicable (as
+    conform reports them), so the summary names them on their own line and counts them neither covered nor never
+    covered (they read "never covered" before, as if the campaign had failed to reach them)."""
+    out = _fuzz(tmp_path, "--impl", "slowleak:WithoutBackup", "--config", CONFIG, "--workers", "1", "--steps", "1500",
+                "--examples", "10", env=_slow_leak(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    na = ("backup_state", "restore_state", "misuse")
+    assert (f"not applicable (capabilities not declared) on swa_allocator/{CONFIG}: 3 rule(s): "
+            "backup_state, restore_state, misuse") in out.stdout, out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("│ swa_allocator"))
+    covered, never = (cell.strip() for cell in row.split("│")[7:9])
+    declared = get_suite(Component.SWA_ALLOCATOR).needs(next(
+        c for c in get_suite(Component.SWA_ALLOCATOR).configs if c.label() == CONFIG))
+    assert covered.endswith(f"/{len(set(declared) - set(na))}"), row
+    assert not any(rule in never for rule in na), row
 
 
 def test_the_same_seed_gives_the_same_runs(tmp_path: Path) -> None:
