@@ -34,7 +34,8 @@ def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
         table.add_column(header if compact else col, justify="left" if text else "right", overflow="fold",
                          min_width=longest.get(col))
     for r in reports:
-        verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] ({r.finding or '-'})"
+        verdict = ("[yellow]skipped[/] (nothing checked)" if r.checked_nothing else "[green]pass[/]" if r.passed
+                   else f"[red]FAIL[/] ({r.finding or '-'})")
         table.add_row(r.component, r.config.label(), verdict, str(r.examples), str(r.steps), str(sum(r.calls.values())),
                       str(r.outcomes.get("ok", 0)), str(r.outcomes.get("OutOfMemory", 0)),
                       str(r.outcomes.get("InvalidOperation", 0)), str(len(r.not_applicable)), _structure(r),
@@ -196,7 +197,7 @@ def _report_progress(console: Console, outcome: Outcome) -> None:
     report = outcome.report
     if report is None:  # skipped: listed below the table
         return
-    verdict = "pass" if report.passed else "FAIL"
+    verdict = "skipped (nothing checked)" if report.checked_nothing else "pass" if report.passed else "FAIL"
     console.print(f"  {report.component} {report.config.label()}: {verdict} "
                   f"({report.examples} examples, {report.steps} steps, {report.seconds:.1f} s)",
                   markup=False, highlight=False)

@@ -89,18 +89,22 @@ def summarize(console: Console, campaign: Campaign, status: str,
     for rules, slices in groups.items():
         console.print(f"not applicable (capabilities not declared) on {', '.join(slices)}: {len(rules)} rule(s): "
                       f"{', '.join(rules)}", **plain)
+    for name, tally in sorted(campaign.tallies.items()):
+        if tally.nothing_checked:
+            console.print(f"{name}: not fuzzed further: {tally.nothing_checked}", style="yellow", **plain)
     unseen = []
     for component, finding in accepted:
-        seen = sum(t.accepted.get(finding, 0) for t in campaign.tallies.values() if t.component == component.value)
+        mine = [t for t in campaign.tallies.values() if t.component == component.value]
+        seen = sum(t.accepted.get(finding, 0) for t in mine)
         console.print(f"{component.value}: known finding {finding} looked past {seen} time(s) (--accept)", **plain)
-        if not seen:
+        if not seen and not (mine and all(t.nothing_checked for t in mine)):  # those checked nothing: skipped
             unseen.append(f"{component.value}: --accept {finding}, and it never occurred (drop --accept {finding}: "
                           "the implementation changed, or the campaign cannot reach it)")
     for name, tally in sorted(campaign.tallies.items()):
         reached = tally.reached()
         below = [f"{k} {reached.get(k, 0)}/{most}" for k, most in sorted(tally.targets.items())
                  if reached.get(k, 0) < most]
-        if tally.runs and below:
+        if tally.runs and below and not tally.nothing_checked:
             console.print(f"{name}: structure below its maximum: " + ", ".join(below), **plain)
     console.print(f"campaign {campaign.spec.campaign_id}: fingerprint {campaign.fingerprint()} (the same seed and "
                   "runs give the same fingerprint)", **plain)

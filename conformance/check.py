@@ -209,6 +209,18 @@ class CheckReport:
     def passed(self) -> bool:
         return self.failure is None
 
+    @property
+    def checked_nothing(self) -> bool:
+        """A pass that never called the implementation: the capabilities it declares leave the suite no rule that
+        reaches it on this config (SGLang's allocator at page size 1 has no ``alloc_extend``, so ``decode_prealloc``
+        admits nothing there). Not a pass: reported as skipped, with :meth:`nothing_checked` as the reason."""
+        return self.passed and not any(self.calls.values())
+
+    def nothing_checked(self) -> str:
+        na = ", ".join(self.not_applicable) or "none"
+        return (f"nothing checked: {self.steps} steps and not one call of the implementation; the capabilities it "
+                f"declares leave this suite no rule that calls it on {self.config.label()} (not applicable: {na})")
+
 
 def structure_unreached(reports: Iterable[CheckReport]) -> dict[str, tuple[int, int]]:
     """Over the runs of one component on its configs (a ``ci`` run of the default configs): the dimensions no run

@@ -17,9 +17,10 @@ seen, as a replayable vector and a text report under ``.kvproof/failures/`` (rep
 shrinking ends; :mod:`kvproof.conformance.saved`). A worker killed with SIGKILL loses nothing found before. A
 campaign started again (the same command, or ``resume``) first replays every failure kept for each slice, on disk
 and in the database, and reports which still fail; a slice with a failure that still fails is not fuzzed again
-(its bug is known: fix it, or leave it out with ``--component`` / ``--config``). Which runs each slice has done is
-kept in ``.kvproof/fuzz/<campaign>.json`` (:class:`Ledger`), so a resumed campaign goes on with new seeds rather
-than repeating the old ones.
+(its bug is known: fix it, or leave it out with ``--component`` / ``--config``), nor is one whose run never called
+the implementation (its capabilities leave the suite nothing to call on that config: reported, never a pass).
+Which runs each slice has done is kept in ``.kvproof/fuzz/<campaign>.json`` (:class:`Ledger`), so a resumed
+campaign goes on with new seeds rather than repeating the old ones.
 
 **Stopping.** The budget ends the campaign after the runs under way (a run is seconds long). The caller's first
 Ctrl-C stops it the same way at once: each worker's run is interrupted (its failure, if it found one, is on disk
@@ -226,6 +227,9 @@ class SliceTally:
     accepted: Counter[str] = field(default_factory=Counter)  # occurrences of each known finding looked past
     #: the rules (and misuse cases) the implementation cannot run, its capabilities not declared (known after a run)
     not_applicable: tuple[str, ...] = ()
+    #: why the slice is not fuzzed further although it passes: a run never called the implementation
+    #: (``CheckReport.nothing_checked``); the worker drops the slice
+    nothing_checked: str = ""
 
     @property
     def total_steps(self) -> int:
@@ -319,20 +323,20 @@ def _worker(wid: int, spec: CampaignSpec, mine: list[int], first_run: dict[str, 
     try:
         db = open_database(spec.db)
         slices = [spec.tests[i] for i in mine]
-        failing: set[str] = set()
+        retired: set[str] = set()  # slices not fuzzed further: they fail, or a run of theirs checked nothing
         if not spec.fresh:
             for test in slices:
                 if stop.is_set():
                     break
                 if _replay_saved(wid, spec, test, db, out):
-                    failing.add(slice_id(test))
+                    retired.add(slice_id(test))
         index = {slice_id(t): first_run.get(slice_id(t), 0) for t in slices}
         # a step budget is split between the workers, each stopping at its own share: which runs a worker makes
         # never depends on when the parent hears of the others' steps (the same seed, the same runs)
         share = None if spec.budget.steps is None else -(-spec.budget.steps // spec.workers)
         done_steps = 0
         while not stop.is_set() and (share is None or done_steps < share):
-            live = [t for t in slices if slice_id(t) not in failing]
+            live = [t for t in slices if slice_id(t) not in retired]
             if not live:
                 break
             for test in live:
@@ -342,8 +346,8 @@ def _worker(wid: int, spec: CampaignSpec, mine: list[int], first_run: dict[str, 
                 report = _one_run(wid, spec, test, db, index[name], out)
                 index[name] += 1
                 done_steps += report.steps if report is not None else 0
-                if report is not None and not report.passed:
-                    failing.add(name)
+                if report is not None and (not report.passed or report.checked_nothing):
+                    retired.add(name)
     except KeyboardInterrupt:
         pass
     except Exception:  # noqa: BLE001 - a harness error: the parent reports it
@@ -417,6 +421,7 @@ class _RunSummary:
     failure: Failure | None
     accepted: dict[str, int] = field(default_factory=dict)
     not_applicable: tuple[str, ...] = ()
+    nothing_checked: str = ""
 
 
 def _summary(report: CheckReport, seed: int) -> _RunSummary:
@@ -424,7 +429,7 @@ def _summary(report: CheckReport, seed: int) -> _RunSummary:
                                                  report.finding)
     return _RunSummary(report.steps, report.examples, report.seconds, dict(report.rules), dict(report.structure),
                        dict(report.structure_targets), report.fingerprint, failure, dict(report.accepted),
-                       tuple(report.not_applicable))
+                       tuple(report.not_applicable), report.nothing_checked() if report.checked_nothing else "")
 
 
 # ---------------------------------------------------------------- the campaign (the caller's process)
@@ -558,6 +563,8 @@ class Campaign:
             tally.fingerprints[index] = summary.fingerprint
             tally.accepted.update(summary.accepted)
             tally.not_applicable = summary.not_applicable
+            if summary.nothing_checked:
+                tally.nothing_checked, tally.done = summary.nothing_checked, True
             for k, v in summary.structure.items():
                 tally.structure[k] = max(v, tally.structure.get(k, 0))
             failure = None

@@ -254,11 +254,12 @@ def run_planned(test: PlannedTest, *, profile: str, seed: int | None = None,
         found = continue_for_harm(report.vector, test.impl.factory, impl_name=test.impl.spec, op_timeout=op_timeout,
                                   isolation=isolation, memory_limit_mb=memory_limit_mb)
         report = replace(report, failure=f"{report.failure}\n\n{found.text()}", harm=found.to_json())
-    status = "passed" if report.passed else "failed"
-    if test.selected:  # an expected failure
+    status, reason = "passed" if report.passed else "failed", test.selected[1] if test.selected else ""
+    if report.checked_nothing:  # not a pass: the implementation was never called
+        status, reason = "skipped", report.nothing_checked()
+    elif test.selected:  # an expected failure
         status = "xpassed" if report.passed else "xfailed"
-    return Outcome(test.component.value, test.config.label(), status, test.selected[1] if test.selected else "",
-                   report)
+    return Outcome(test.component.value, test.config.label(), status, reason, report)
 
 
 class RunEvents:
@@ -345,8 +346,9 @@ def _unseen_accepted(the_plan: Plan, outcomes: Sequence[Outcome]) -> list[Outcom
     (strict, as an expected failure that passes: the implementation changed, or the run cannot reach it)."""
     out = []
     for component, finding in the_plan.accepted:
-        counts = [o.report.accepted for o in outcomes if o.report is not None and o.component == component.value]
-        if unseen((finding,), counts):
+        ran = [o.report for o in outcomes if o.report is not None and o.component == component.value]
+        counts = [r.accepted for r in ran if not r.checked_nothing]
+        if (counts or not ran) and unseen((finding,), counts):  # not where every run checked nothing (skipped)
             out.append(Outcome(component.value, ACCEPTED, "failed",
                                f"--accept {finding}: the run was told to look past {finding}, and it never occurred "
                                f"in {len(counts)} run(s) of {component.value} (drop --accept {finding}: the "

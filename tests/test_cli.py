@@ -3,6 +3,17 @@
 from click.testing import CliRunner
 
 from kvproof.cli import main
+from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator
+from kvproof.reference.contract import Capability
+from kvproof.reference.registry import Component
+
+
+class NoAllocExtend(SWATokenToKVPoolAllocator):
+    """kvproof's runtime declaring no ``alloc_extend``, as SGLang's allocator at page size 1: ``decode_prealloc``'s
+    suite admits every request through it, so it has nothing to call on any config."""
+
+    capabilities = SWATokenToKVPoolAllocator.capabilities - {Capability.ALLOC_EXTEND}
+    components = frozenset({Component.DECODE_PREALLOC})
 
 
 def run(*args: str):
@@ -69,6 +80,19 @@ def test_conform_runtime_one_config() -> None:
     result = run("conform", "--config", "P4-W2-F32-S16", "--profile", "dev")
     assert result.exit_code == 0, result.output
     assert "swa_allocator P4-W2-F32-S16: pass" in result.output and "loc_cache P4-W2-F32-S16: pass" in result.output
+
+
+def test_conform_a_run_that_never_calls_the_implementation_is_skipped_not_passed() -> None:
+    """A run that passed without calling the implementation once checked nothing (against SGLang, decode_prealloc at
+    page size 1 read "pass" with 0 calls): it is skipped, and the reason names the rules its capabilities rule out."""
+    result = run("conform", "--impl", "tests.test_cli:NoAllocExtend", "--config", "P2-W3-F24-S12", "--profile", "dev",
+                 "--in-process")
+    assert result.exit_code == 0, result.output
+    assert "decode_prealloc P2-W3-F24-S12: skipped (nothing checked)" in result.output
+    assert ("decode_prealloc P2-W3-F24-S12: skipped (nothing checked: " in result.output
+            and "and not one call of the implementation" in result.output), result.output
+    assert "(not applicable: decode, pop_preallocated, resume_retracted_reqs, retract)" in result.output
+    assert result.output.rstrip().endswith("1 skipped"), result.output[-300:]
 
 
 def test_conform_hisparse_host_default_runtime_and_a_mutant() -> None:

@@ -77,6 +77,16 @@ class WithoutBackup(SWATokenToKVPoolAllocator):
 
 WithoutBackup.components = ("swa_allocator",)
 
+
+class NoAllocExtend(SWATokenToKVPoolAllocator):
+    """kvproof's runtime declaring no alloc_extend (SGLang's allocator at page size 1): decode_prealloc's suite has
+    nothing to call on it."""
+
+    capabilities = SWATokenToKVPoolAllocator.capabilities - {Capability.ALLOC_EXTEND}
+
+
+NoAllocExtend.components = ("decode_prealloc",)
+
 '''
 CONFIG = "P2-W3-F24-S12"
 
@@ -170,6 +180,21 @@ def test_rules_the_capabilities_rule_out_are_reported_apart_from_the_rules_never
         c for c in get_suite(Component.SWA_ALLOCATOR).configs if c.label() == CONFIG))
     assert covered.endswith(f"/{len(set(declared) - set(na))}"), row
     assert not any(rule in never for rule in na), row
+
+
+def test_a_slice_whose_run_checks_nothing_is_reported_and_not_fuzzed_further(tmp_path: Path) -> None:
+    """A run that passes without calling the implementation once (its capabilities leave the suite nothing to call)
+    is not fuzzing: the slice is dropped after that one run and the summary says why (a campaign against SGLang spent
+    a 17th of its time on decode_prealloc at page size 1, 0 calls, and called it covered)."""
+    out = _fuzz(tmp_path, "--impl", "slowleak:NoAllocExtend", "--config", CONFIG, "--workers", "1", "--time", "60s",
+                "--examples", "5", env=_slow_leak(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    said = f"decode_prealloc/{CONFIG} --policy corrected: not fuzzed further: nothing checked: "
+    assert said in out.stdout, out.stdout
+    assert "not one call of the implementation" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("│ decode_prealloc"))
+    assert [cell.strip() for cell in row.split("│")[2:4]] == ["1", "1"], row  # one slice, one run
+    assert "structure below its maximum" not in out.stdout  # nothing to reach: said once, above
 
 
 def test_the_same_seed_gives_the_same_runs(tmp_path: Path) -> None:

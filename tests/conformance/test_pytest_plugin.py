@@ -25,6 +25,25 @@ def test_the_default_runtime_passes_and_ids_name_component_and_config(tmp_path: 
     assert "test_conformance[hisparse_host/P4-H8-R4-C14] PASSED" in out.stdout
 
 
+def test_a_run_that_never_calls_the_implementation_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    """As conform does: a pass without one call of the implementation checked nothing (decode_prealloc's suite on an
+    allocator without alloc_extend), so the test is skipped and says why."""
+    (tmp_path / "noextend.py").write_text(
+        "from kvproof.gpu_runtime.swa_allocator import SWATokenToKVPoolAllocator\n"
+        "from kvproof.reference.contract import Capability\n\n\n"
+        "class NoAllocExtend(SWATokenToKVPoolAllocator):\n"
+        "    capabilities = SWATokenToKVPoolAllocator.capabilities - {Capability.ALLOC_EXTEND}\n"
+        "    components = ('decode_prealloc',)\n")
+    out = subprocess.run([PYTEST, "-q", "-rs", "-p", "no:cacheprovider", "--pyargs", "kvproof.conformance.suite",
+                          "--kvproof-component", "decode_prealloc", "--kvproof-config", "P2-W3-F24-S12",
+                          "--kvproof-profile", "dev", "--kvproof-impl", "noextend:NoAllocExtend"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "1 skipped" in out.stdout and "nothing checked: " in out.stdout, out.stdout[-3000:]
+    assert "not applicable: decode, pop_preallocated, resume_retracted_reqs, retract" in out.stdout
+
+
 def test_a_broken_implementation_fails_with_the_verdict_and_selection_files_apply(tmp_path: Path) -> None:
     (tmp_path / "skip").write_text("hisparse_host/P1-*  # not today\nhisparse_host/P7-*  # a typo\n")
     (tmp_path / "xfail").write_text("hisparse_host/P4-H8-R4-C14  # known\n")
