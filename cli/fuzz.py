@@ -39,7 +39,8 @@ def _row(component: str, tallies: list[SliceTally], elapsed: float) -> list[str]
     failures = sum(len(t.failures) for t in tallies)
     replayed = sum(t.replayed for t in tallies)
     still = sum(t.still_failing for t in tallies)
-    dims = {(t.slice, k): (t.reached().get(k, 0), v) for t in tallies for k, v in t.targets.items()}
+    dims = {(t.slice, k): (t.reached().get(k, 0), v) for t in tallies if not t.nothing_checked  # nothing to reach
+            for k, v in t.targets.items()}
     at_max = sum(reached >= most for reached, most in dims.values())
     return [component, str(len(tallies)), f"{sum(t.runs for t in tallies):,}",
             f"{sum(t.total_examples for t in tallies):,}", f"{steps:,}", _rate(steps, elapsed),
