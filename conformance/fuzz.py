@@ -223,7 +223,7 @@ class SliceTally:
     failures: list[Failure] = field(default_factory=list)
     replayed: int = 0  # saved failures replayed at the start
     still_failing: int = 0
-    done: bool = False  # not fuzzed any further (it fails)
+    done: bool = False  # not fuzzed any further (it fails, or a run of it checked nothing)
     accepted: Counter[str] = field(default_factory=Counter)  # occurrences of each known finding looked past
     #: the rules (and misuse cases) the implementation cannot run, its capabilities not declared (known after a run)
     not_applicable: tuple[str, ...] = ()
