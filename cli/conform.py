@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rich import box
@@ -15,8 +15,8 @@ from kvproof.conformance.plan import PlannedTest, RunEvents
 from kvproof.conformance.report import Outcome, RunInfo, write_json, write_junit
 from kvproof.reference.registry import Component, Layer, info, parse_components
 
-__all__ = ["CLIEvents", "conform_table", "counts", "mutants_absent", "mutants_table", "print_reports",
-           "print_structure", "run_mutants"]
+__all__ = ["CLIEvents", "conform_table", "counts", "mutants_absent", "mutants_table", "print_not_applicable",
+           "print_reports", "print_structure", "run_mutants"]
 
 
 def conform_table(reports: list[CheckReport], width: int = 150) -> Table:
@@ -57,16 +57,23 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
     return out
 
 
+def print_not_applicable(console: Console, runs: Iterable[tuple[str, Sequence[str]]]) -> None:
+    """The rules each run (``(name, not applicable)``: a config's run, a campaign's slice) could not run, its
+    capabilities not declared; one line per set of rules, naming the runs that share it (capabilities may differ
+    per config, e.g. per page size)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, rules in runs:
+        if rules:
+            groups.setdefault(tuple(rules), []).append(name)
+    for rules, names in groups.items():
+        console.print(f"not applicable (capabilities not declared) on {', '.join(names)}: {len(rules)} rule(s): "
+                      f"{', '.join(rules)}", markup=False, highlight=False)
+
+
 def print_reports(console: Console, reports: list[CheckReport]) -> None:
     """Not-applicable rules (grouped), never-executed rules, structural coverage, and every failure with its replay
     command."""
-    groups: dict[tuple[str, ...], list[str]] = {}  # capabilities may differ per config (e.g. per page size)
-    for r in reports:
-        if r.not_applicable:
-            groups.setdefault(tuple(r.not_applicable), []).append(f"{r.component} {r.config.label()}")
-    for rules, where in groups.items():
-        console.print(f"not applicable (capabilities not declared) on {', '.join(where)}: {len(rules)} rule(s): "
-                      f"{', '.join(rules)}")
+    print_not_applicable(console, ((f"{r.component} {r.config.label()}", r.not_applicable) for r in reports))
     for r in reports:
         if r.never_run:
             never = ", ".join(r.never_run)

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvproof.cli import EXIT_INTERRUPTED
+from kvproof.cli.conform import print_not_applicable
 from kvproof.conformance.fuzz import Campaign, CampaignEvents, Failure, SliceTally
 
 __all__ = ["FuzzView", "ctrl_c", "summarize", "summary_table"]
@@ -83,13 +84,7 @@ def summarize(console: Console, campaign: Campaign, status: str,
         where = (f"; saved to {failure.file}; replay: kvproof replay {failure.file.removesuffix('.txt')}.json"
                  if failure.file else "")
         console.print(f"  known finding: {failure.finding}{where}", **plain)
-    groups: dict[tuple[str, ...], list[str]] = {}  # as conform prints them: capabilities may differ per config
-    for name, tally in sorted(campaign.tallies.items()):
-        if tally.not_applicable:
-            groups.setdefault(tally.not_applicable, []).append(name)
-    for rules, slices in groups.items():
-        console.print(f"not applicable (capabilities not declared) on {', '.join(slices)}: {len(rules)} rule(s): "
-                      f"{', '.join(rules)}", **plain)
+    print_not_applicable(console, ((name, t.not_applicable) for name, t in sorted(campaign.tallies.items())))
     for name, tally in sorted(campaign.tallies.items()):
         if tally.nothing_checked:
             console.print(f"{name}: not fuzzed further: {tally.nothing_checked}", style="yellow", **plain)
