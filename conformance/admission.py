@@ -132,7 +132,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: AdmissionSetup) -> dict[str, int]:
+    def structure(cls, config: AdmissionSetup, na: tuple[str, ...] = ()) -> dict[str, int]:
         """Several requests waiting, admitted in one round and running at once; a refusal and two continuations of
         one request (where chunked prefill is on); the SWA pool exhausted; evictions and rounds in one example.
         Without chunked prefill a request's prompt is never left after its round, so ``cache_finished_req``'s

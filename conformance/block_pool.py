@@ -107,7 +107,7 @@ class BlockPoolMachine(Lockstep[bp.BlockPoolConfig, BlockPoolUnderTest]):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: bp.BlockPoolConfig) -> dict[str, int]:
+    def structure(cls, config: bp.BlockPoolConfig, na: tuple[str, ...] = ()) -> dict[str, int]:
         """Three requests running at once; a request holding as many blocks as the model length and the pool allow; the
         pool exhausted; a hit of two blocks; a request preempted and admitted again; a block evicted from the prefix
         cache; the prefix cache reset; an admission refused only for the free blocks its hit would take off the free

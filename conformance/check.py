@@ -540,11 +540,13 @@ def structure_targets(suite: Suite, config: Any, caps: frozenset[Capability], na
     case once (for an implementation that rejects misuse), and the suite's own (which also says which misuse cases
     ``config`` cannot stage: maximum 0). A dimension named after a rule (``"replay per example"``) is dropped where
     that rule is not applicable (``na``: the implementation lacks a capability it needs), and so is a misuse case
-    the implementation cannot be asked (``misuse:<case>`` in ``na``), whatever the suite says of the config."""
+    the implementation cannot be asked (``misuse:<case>`` in ``na``), whatever the suite says of the config. The
+    suite declares its maxima knowing ``na`` too: a dimension only those rules take to its maximum is held to what
+    the others reach (:meth:`~kvproof.conformance.lockstep.Lockstep.structure`)."""
     out: dict[str, int] = {}
     if Capability.REJECTS_MISUSE in caps:
         out = {f"misuse {name}": 1 for name in suite.misuse_cases}
-    out |= suite.machine.structure(config)
+    out |= suite.machine.structure(config, na)
     return {k: v for k, v in out.items()
             if v > 0 and k.split(" ", 1)[0] not in na and k.replace(" ", ":", 1) not in na}
 

@@ -78,7 +78,7 @@ class DecodePreallocMachine(SWALockstep):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: PoolConfig) -> dict[str, int]:
+    def structure(cls, config: PoolConfig, na: tuple[str, ...] = ()) -> dict[str, int]:
         """Arrivals of 1-3 requests and runs of 1-4 decode steps; several requests queued, admitted in one round,
         running and retracted at once; both pools exhausted and a decode step stalled on them; four resumptions in
         one example (the union over the default configs reaches each: one config alone need not)."""

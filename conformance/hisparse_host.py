@@ -121,7 +121,7 @@ class HostPoolMachine(Lockstep[hh.HostPoolConfig, HostPoolUnderTest]):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: hh.HostPoolConfig) -> dict[str, int]:
+    def structure(cls, config: hh.HostPoolConfig, na: tuple[str, ...] = ()) -> dict[str, int]:
         """Every request slot running at once and backed up in one batch; a row allocated to its last page; the
         host pool exhausted; a request finished and its slot admitted again in one example."""
         return {"requests running at once": config.max_req_slots,

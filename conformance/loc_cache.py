@@ -81,10 +81,10 @@ class LocCacheMachine(SWAAllocatorMachine):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: PoolConfig) -> dict[str, int]:
+    def structure(cls, config: PoolConfig, na: tuple[str, ...] = ()) -> dict[str, int]:
         """The allocator's dimensions, plus: runs of 1-3 translations on both pools; forwards of 1-3 tokens; two
         replays of a captured graph and a mapping registered twice in one example."""
-        return {**super().structure(config), "translate_loc_from_full_to_swa in a row": 3,
+        return {**super().structure(config, na), "translate_loc_from_full_to_swa in a row": 3,
                 "translate_loc_from_full_to_swa on pool 0": 1, "translate_loc_from_full_to_swa on pool 1": 1,
                 "forward tokens": 3, "replay per example": 2, "register_mapping per example": 2}
 

@@ -737,9 +737,14 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: Any) -> Mapping[str, int]:
+    def structure(cls, config: Any, na: tuple[str, ...] = ()) -> Mapping[str, int]:
         """The suite's structural dimensions on ``config``, each with the most its strategies can reach there (what
-        a ``ci`` run of the default configs must reach: ``tests/conformance/test_structure.py``). Default: none."""
+        a ``ci`` run of the default configs must reach: ``tests/conformance/test_structure.py``). Default: none.
+
+        ``na``: the rules (and ``misuse:<case>``) not applicable to the implementation under test (its declared
+        capabilities lack what they need, :meth:`not_applicable`). A dimension that only those rules take to its
+        maximum is declared with the most the remaining rules reach (a dimension named after a rule is dropped
+        with it by :func:`~kvproof.conformance.check.structure_targets` whatever this says)."""
         return {}
 
     def measure(self) -> Mapping[str, int]:

@@ -134,7 +134,7 @@ class TPPrefetchMachine(Lockstep[TPPrefetchGroup, TPPrefetchUnderTest]):
     # ------------------------------------------------------------ structural coverage
 
     @classmethod
-    def structure(cls, config: TPPrefetchGroup) -> dict[str, int]:
+    def structure(cls, config: TPPrefetchGroup, na: tuple[str, ...] = ()) -> dict[str, int]:
         """Every termination policy; checks that commit, wait (and are continued) and, under 0.5.23's protocol, are
         revoked or discarded; an SWA window attached; an insert that splits a host node; four commits in one
         example (the host path grows under a later check)."""

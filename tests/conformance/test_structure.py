@@ -13,13 +13,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from kvproof.conformance import swa_allocator as swa_suite
-from kvproof.conformance.check import Suite, get_suite, run_check, structure_unreached
+from kvproof.conformance.check import Suite, get_suite, run_check, structure_targets, structure_unreached
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
 from kvproof.conformance.lockstep import operation
 from kvproof.conformance.plan import load_impls, plan
 from kvproof.conformance.profiles import get_profile
 from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
+from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
 WITH_SUITES = [c.value for c in Component if info(c).has(Layer.SUITE)]
@@ -92,3 +93,33 @@ def test_a_narrow_strategy_is_reported_below_its_maximum(monkeypatch: pytest.Mon
     missed = report.structure_missed()
     assert missed["alloc_extend batch size"] == (1, 3), missed
     assert structure_unreached([report])["alloc_extend batch size"] == (1, 3)
+
+
+class AllocOnly(SWATokenToKVPoolAllocator):
+    """kvproof's runtime declaring no rule that grows a request (``alloc_extend``, ``alloc_decode``, the tail
+    extension): SGLang 0.5.23's allocator at page size 1 has no ``alloc_extend``, and so the same rules."""
+
+    capabilities = SWATokenToKVPoolAllocator.capabilities - {
+        Capability.ALLOC_EXTEND, Capability.ALLOC_DECODE, Capability.ALLOC_EXTEND_SWA_TAIL}
+
+
+def test_a_dimension_only_missing_rules_take_to_its_maximum_is_declared_with_what_the_others_reach() -> None:
+    """Without a rule that grows a request, one ``alloc`` (1-4 pages) is the longest a request gets: that is the
+    maximum the run is held to, not the SWA pool's 8 pages it can never reach (and is reported below for ever)."""
+    suite, config = get_suite("swa_allocator"), CONFORMANCE_CONFIGS[0]  # P1-W3-F12-S8: the SWA pool has 8 pages
+    caps = frozenset(AllocOnly.capabilities)
+    na = suite.machine.not_applicable(caps, config)
+    assert {"alloc_extend", "alloc_decode", "alloc_extend_swa_tail"} <= set(na) and "alloc" not in na
+    assert structure_targets(suite, config, caps, na)["full pages of one request"] == 4
+    everything = frozenset(SWATokenToKVPoolAllocator.capabilities)
+    assert structure_targets(suite, config, everything, ())["full pages of one request"] == 8
+    # one growing rule left is enough for the whole pool
+    for kept in (Capability.ALLOC_EXTEND, Capability.ALLOC_DECODE):
+        some = caps | {kept}
+        assert structure_targets(suite, config, some, suite.machine.not_applicable(some, config))[
+            "full pages of one request"] == 8, kept
+    report = run_check(Component.SWA_ALLOCATOR, AllocOnly, config, profile="ci", impl_name="alloc-only",
+                       failures_dir=None)
+    assert report.passed, report.failure
+    assert report.structure["full pages of one request"] == 4
+    assert "full pages of one request" not in report.structure_missed(), report.structure_missed()
