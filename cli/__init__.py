@@ -44,7 +44,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvproof.conformance.modes import DEFAULT_ENGINE, DEFAULT_SHRINKER, ENGINES, SHRINKERS
+from kvproof.conformance.modes import CAMPAIGN_SHRINKER, DEFAULT_ENGINE, DEFAULT_SHRINKER, ENGINES, SHRINKERS
 from kvproof.reference.errors import ConfigError
 from kvproof.reference.registry import Component, options
 
@@ -127,11 +127,17 @@ HARM = click.option(
          "cross-request KV read, a page with two owners, a page freed while owned, a duplicate in a free list, the "
          "reserved page handed out, a legal call that raises, or capacity lost. Printed under the shrunk trace.")
 
-SHRINK = click.option(
-    "--shrink", "shrink_with", type=click.Choice(list(SHRINKERS)), default=DEFAULT_SHRINKER, show_default=True,
-    help="Who shrinks a failure found by Hypothesis: its shrinker, or kvproof's vector shrinker (Hypothesis finds, "
-         "then candidate vectors are replayed: seconds where Hypothesis can take minutes on a long stateful example; "
-         "the breadth mode always uses it).")
+
+
+def shrink_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--shrink``, defaulting to ``default`` (a conformance run: Hypothesis'; a campaign: the vector shrinker)."""
+    return click.option(
+        "--shrink", "shrink_with", type=click.Choice(list(SHRINKERS)), default=default, show_default=True,
+        help="Who shrinks a failure found by Hypothesis: its shrinker, or kvproof's vector shrinker (Hypothesis "
+             "finds, then candidate vectors are replayed: seconds where Hypothesis can take minutes on a long "
+             "stateful example; the breadth mode always uses it).")
+
+
 ACCEPT = click.option(
     "--accept", multiple=True, metavar="FINDING",
     help="Look past this known finding of the implementation (an id it declares, e.g. F1, whose documented "
@@ -250,7 +256,7 @@ def prove(components: tuple[str, ...], name_filter: str | None, timeout_ms: int,
               help="Do not replay the failures saved under .kvproof/failures/ before generating.")
 @ACCEPT
 @HARM
-@SHRINK
+@shrink_option(DEFAULT_SHRINKER)
 @with_isolation
 @with_suite_options
 def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...], components: tuple[str, ...],
@@ -334,7 +340,7 @@ def conform(impl_specs: tuple[str, ...], profile: str, configs: tuple[str, ...],
 @click.option("--memory-limit", "memory_limit", type=click.IntRange(min=0), default=MEMORY_LIMIT_MB,
               show_default=True, metavar="MIB", help="MiB an implementation's process may grow by (0: no limit).")
 @ACCEPT
-@SHRINK
+@shrink_option(CAMPAIGN_SHRINKER)
 @with_suite_options
 def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tuple[str, ...], duration: str | None,
          step_budget: int | None, workers: int | None, db: str | None, seed: int, mode: str, resume: bool,
@@ -369,7 +375,7 @@ def fuzz(impl_specs: tuple[str, ...], configs: tuple[str, ...], components: tupl
     for warning in the_plan.warnings:
         console.print(f"[yellow]warning: {warning}[/]")
     resumed = campaign.ledger.resumed
-    shrinker = "" if spec.shrink_with == DEFAULT_SHRINKER else f", shrink {spec.shrink_with}"
+    shrinker = f", shrink {spec.shrink_with}" if spec.engine == "hypothesis" else ""  # breadth: always the vector
     console.print(f"kvproof fuzz: {len(spec.tests)} slice(s), {spec.workers} worker(s), {budget.text()}, mode "
                   f"{spec.engine}{shrinker}, seed {spec.seed}, "
                   f"database {spec.db or '.kvproof/hypothesis'}"

@@ -53,7 +53,7 @@ from kvproof.conformance.database import open_database, test_identity
 from kvproof.conformance.errors import RunInterrupted, UsageError, VectorError
 from kvproof.conformance.isolation import DEFAULT_MEMORY_LIMIT_MB, fork_problem
 from kvproof.conformance.lockstep import RunProgress
-from kvproof.conformance.modes import DEFAULT_ENGINE, DEFAULT_SHRINKER, ENGINES, SHRINKERS
+from kvproof.conformance.modes import CAMPAIGN_SHRINKER, DEFAULT_ENGINE, ENGINES, SHRINKERS
 from kvproof.conformance.plan import PlannedTest
 from kvproof.conformance.report import diagnosis
 from kvproof.conformance.saved import FailureFile, saved_vectors, write_atomic
@@ -143,9 +143,10 @@ class CampaignSpec:
     op_timeout: float | None = DEFAULT_OP_TIMEOUT
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB
     fresh: bool = False  # ignore the ledger and the saved failures (start over)
-    #: who shrinks a default-mode failure (``run_check``'s ``shrink_with``); not part of the campaign's identity: the
+    #: who shrinks a default-mode failure (``run_check``'s ``shrink_with``; a campaign's default is the vector
+    #: shrinker, :data:`~kvproof.conformance.modes.CAMPAIGN_SHRINKER`); not part of the campaign's identity: the
     #: runs generate the same examples either way
-    shrink_with: str = DEFAULT_SHRINKER
+    shrink_with: str = CAMPAIGN_SHRINKER
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -602,7 +603,7 @@ def plan_campaign(tests: Sequence[PlannedTest], budget: Budget, *, workers: int 
                   engine: str = DEFAULT_ENGINE, db: str | None = None, examples: int = RUN_EXAMPLES,
                   steps_per_example: int = RUN_STEPS, op_timeout: float | None = DEFAULT_OP_TIMEOUT,
                   memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB, fresh: bool = False,
-                  shrink_with: str = DEFAULT_SHRINKER) -> CampaignSpec:
+                  shrink_with: str = CAMPAIGN_SHRINKER) -> CampaignSpec:
     """A campaign over ``tests`` (skipped ones left out): the workers default to the machine's cores."""
     import random
 

@@ -236,8 +236,8 @@ def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def test_sigkill_loses_no_failure_and_the_same_command_replays_it_first(tmp_path: Path) -> None:
-    """The campaign (parent, worker and the run's child: the whole process group) is killed with SIGKILL while
-    Hypothesis shrinks the failure it found: the failure is on disk (text and vector, marked first seen) and in the
+    """The campaign (parent, worker and the run's child: the whole process group) is killed with SIGKILL while it
+    shrinks the failure Hypothesis found: the failure is on disk (text and vector, marked first seen) and in the
     example database. The same command again replays it before anything else, says it still fails, exits 1."""
     proc = _start(tmp_path, *LEAK_ARGS, "--time", "10m")
     try:
@@ -461,13 +461,23 @@ check.shrink = _noted
 """
 
 
-def test_a_campaign_shrinks_by_vector_when_asked(tmp_path: Path) -> None:
-    """``--shrink vector``: a default-mode campaign's failure is shrunk by replaying its vector (Hypothesis only finds
-    it): the saved vector is short and replays; an unknown shrinker is bad input naming the choices."""
+def test_a_campaign_shrinks_by_vector_unless_told_otherwise(tmp_path: Path) -> None:
+    """A default-mode campaign's failure is shrunk by replaying its vector (Hypothesis only finds it; ``--shrink
+    vector``, a campaign's default): the saved vector is short and replays. ``--shrink hypothesis`` gives it to
+    Hypothesis' shrinker (the vector shrinker never runs, the rerun command is conform's default). An unknown
+    shrinker is bad input naming the choices."""
     (tmp_path / "spyimpl.py").write_text(SHRINK_SPY)  # the mutant, from a module that notes the vector shrinker's calls
-    out = _fuzz(tmp_path, "--component", "swa_allocator", "--impl", "spyimpl:DoubleFreeAccepted", "--config",
-                "P2-W3-F24-S12", "--workers", "1", "--steps", "3000", "--examples", "5", "--shrink", "vector",
-                env={"PYTHONPATH": str(tmp_path)})
+    spied = ("--component", "swa_allocator", "--impl", "spyimpl:DoubleFreeAccepted", "--config", "P2-W3-F24-S12",
+             "--workers", "1", "--steps", "3000", "--examples", "5")
+    theirs = tmp_path / "hypothesis"
+    theirs.mkdir()
+    out = _fuzz(theirs, *spied, "--shrink", "hypothesis", env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mode hypothesis, shrink hypothesis" in out.stdout and "free succeeded; the reference raised" in out.stdout
+    assert not (theirs / "shrunk.txt").exists()  # Hypothesis shrank it
+    (report_file,) = (theirs / ".kvproof" / "failures").glob("*.txt")
+    assert "--config P2-W3-F24-S12 --profile ci (fuzz run seed" in report_file.read_text()
+    out = _fuzz(tmp_path, *spied, env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "shrunk.txt").read_text().strip()  # in the worker's child: the vector shrinker ran
     assert "mode hypothesis, shrink vector" in out.stdout and "free succeeded; the reference raised" in out.stdout
