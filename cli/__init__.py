@@ -128,7 +128,6 @@ HARM = click.option(
          "reserved page handed out, a legal call that raises, or capacity lost. Printed under the shrunk trace.")
 
 
-
 def shrink_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--shrink``, defaulting to ``default`` (a conformance run: Hypothesis'; a campaign: the vector shrinker)."""
     return click.option(

@@ -477,10 +477,9 @@ GROWING = frozenset({"alloc_extend", "alloc_decode", "alloc_extend_swa_tail"})
 
 
 def longest_request(config: PoolConfig, na: tuple[str, ...]) -> int:
-    """The most full pages one request can hold on ``config``: as many as the SWA pool has, or where none of the
-    rules that grow a request applies (SGLang 0.5.23's allocator at page size 1 has no ``alloc_extend``, and the
-    suite then neither ``alloc_decode`` nor a tail extension), what one ``alloc`` asks for at most; 0 with no
-    ``alloc`` either."""
+    """The most full pages one request can hold on ``config``: as many as the SWA pool has; where none of the rules
+    that grow a request applies (SGLang 0.5.23's allocator at page size 1, whose adapter declares none of them), the
+    most one ``alloc`` asks for; 0 where ``alloc`` does not apply either (no rule makes a request)."""
     if GROWING - set(na):
         return config.num_pages_swa
     return 0 if "alloc" in na else min(max(ALLOC_PAGES), config.num_pages_swa)
