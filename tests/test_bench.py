@@ -57,6 +57,39 @@ def test_bench_bugs_finds_a_planted_bug_in_both_modes_and_reports_coverage() -> 
     assert cov["structure_at_max"] == cov["structure"]  # breadth's swarm reaches every dimension on this budget
     text = console.export_text()
     assert "time to detect, median over 1 seeds" in text and "rerun: kvproof bench --bugs --quick --seeds 1" in text
+    assert "every bug: breadth sooner " in text and "x) over 1 bugs" in text
+    assert "seeds that found their bug: hypothesis 1/1, breadth 1/1" in text
+
+
+def _summary(found: int, seconds: float, steps: int) -> dict[str, object]:
+    return {"found": found, "seeds": 5, "seconds": seconds if found else None, "steps": steps if found else None,
+            "shrunk": 3 if found else None}
+
+
+def test_sooner_is_the_geometric_mean_over_the_bugs_both_modes_found() -> None:
+    """Hypothesis' median over breadth's, per bug both found, geometric mean; a bug one mode alone found is counted
+    apart and in no ratio; other components and the coverage rows are left out; a step counts as at least 1."""
+    from kvproof.cli.bench_bugs import sooner
+    from kvproof.reference.registry import Component
+
+    results = {
+        "swa_allocator/a/hypothesis": _summary(5, 8.0, 800), "swa_allocator/a/breadth": _summary(5, 1.0, 100),
+        "swa_allocator/b/hypothesis": _summary(3, 1.0, 0), "swa_allocator/b/breadth": _summary(1, 2.0, 4),
+        "swa_allocator/c/hypothesis": _summary(2, 9.0, 9), "swa_allocator/c/breadth": _summary(0, 0.0, 0),
+        "swa_allocator/coverage/hypothesis": {"steps_per_s": 1.0}, "swa_allocator/coverage/breadth": {},
+        "loc_cache/d/hypothesis": _summary(0, 0.0, 0), "loc_cache/d/breadth": _summary(4, 0.5, 30),
+    }
+    swa = sooner(results, Component.SWA_ALLOCATOR)
+    assert swa.bugs == 2 and swa.found_by_one == {"hypothesis": 1, "breadth": 0}
+    assert abs(swa.seconds - 2.0) < 1e-9  # sqrt(8 / 1 * 1 / 2)
+    assert abs(swa.steps - (8 * 1 / 4) ** 0.5) < 1e-9  # b: hypothesis' 0 steps count as 1
+    assert swa.seeds == {"hypothesis": (10, 15), "breadth": (6, 15)}
+    assert swa.cell() == "2.00x (1.41x) over 2 bugs; 1 hypothesis only"
+    overall = sooner(results)
+    assert overall.bugs == 2 and overall.found_by_one == {"hypothesis": 1, "breadth": 1}
+    assert overall.seeds == {"hypothesis": (10, 20), "breadth": (10, 20)}
+    nothing = sooner(results, Component.LOC_CACHE)
+    assert nothing.bugs == 0 and nothing.seconds is None and nothing.cell() == "-"
 
 
 def test_a_correct_implementation_is_never_found() -> None:
