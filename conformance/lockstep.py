@@ -88,6 +88,13 @@ class Operation:
     #: the strategies of the rule's plain arguments, by name (``data`` for draws that depend on the state): what
     #: Hypothesis draws them from, and what the breadth driver samples (kvproof.conformance.breadth)
     strategies: tuple[tuple[str, Any], ...] = ()
+    #: the configs on which the rule has anything legal to do (``None``: every config). Off them it is no rule of the
+    #: suite: not declared (:meth:`Lockstep.needs`), never enabled, never reported as never run; the misuse cases of
+    #: its operation are declared apart and stay
+    on: Callable[[Any], bool] | None = None
+
+    def on_config(self, config: Any) -> bool:
+        return self.on is None or bool(self.on(config))
 
     def needs_on(self, config: Any) -> frozenset[Capability]:
         """The capabilities this rule needs on ``config`` (a suite may make them depend on the page size)."""
@@ -136,30 +143,33 @@ def _declare(op: Operation, strategies: Mapping[str, Any]) -> Callable[[Callable
 
 def operation(name: str | None = None, *, needs: Needs | Iterable[Capability] = frozenset(),
               needs_any: Iterable[Capability] = (), when: Callable[[Any], Any] | None = None,
-              environment: bool = False, **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
+              on: Callable[[Any], bool] | None = None, environment: bool = False,
+              **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare a rule that performs the reference operation named like the method (or ``name``).
 
     ``strategies`` are Hypothesis strategies for the method's arguments (``data=st.data()``
-    for draws that depend on the state). The operation's name must be a function of the component's reference
-    module and a transition of its spec, and, unless it acts on the ``environment`` (index
+    for draws that depend on the state). ``when`` is the rule's precondition on the machine's state; ``on`` the
+    configs where it can act at all (:attr:`Operation.on`). The operation's name must be a function of the
+    component's reference module and a transition of its spec, and, unless it acts on the ``environment`` (index
     memory, the scheduler), a method of the component's contract (``tests/test_registry.py``).
     """
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
         op = Operation(name or function.__name__, caps, frozenset(needs_any), when, True, environment,
-                       tuple(strategies.items()))
+                       tuple(strategies.items()), on)
         return _declare(op, strategies)(function)
 
     return decorate
 
 
 def scenario(*, needs: Needs | Iterable[Capability] = frozenset(), needs_any: Iterable[Capability] = (),
-             when: Callable[[Any], Any] | None = None,
+             when: Callable[[Any], Any] | None = None, on: Callable[[Any], bool] | None = None,
              **strategies: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare a harness step made of several operations (its name is the method's); gated and recorded alike."""
     def decorate(function: Callable[..., Any]) -> Any:
         caps = needs if callable(needs) else frozenset(needs)
-        op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True, tuple(strategies.items()))
+        op = Operation(function.__name__, caps, frozenset(needs_any), when, False, True, tuple(strategies.items()),
+                       on)
         return _declare(op, strategies)(function)
 
     return decorate
@@ -671,8 +681,11 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
             self.fail(f"the factory {self.impl_name} raised {type(err).__name__}: {err} (building the "
                       f"implementation of example {self.stats.examples})")
         self.caps: frozenset[Capability] = frozenset(built.capabilities)
-        #: each operation's capability gate on this run (capabilities and config are fixed for the example)
+        #: each operation's capability gate on this run (capabilities and config are fixed for the example): what
+        #: its misuse cases need; its rule also needs the config to be one it acts on
         self.applicable = {name: op.applicable(self.caps, self.config) for name, op in self.operations.items()}
+        self.rule_on = {name: self.applicable[name] and op.on_config(self.config)
+                        for name, op in self.operations.items()}
         self.impl: Any = Watched(built, self)
         self.target: Any = built  # the implementation itself, for queries (:meth:`query`)
         #: the known findings this run looks past (the machine option ``accept``: finding ids the implementation
@@ -685,8 +698,8 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
     @classmethod
     def needs(cls, config: Any) -> dict[str, frozenset[Capability]]:
-        """Each rule's capability needs on ``config`` (``misuse`` needs REJECTS_MISUSE)."""
-        out = {name: op.needs_on(config) for name, op in sorted(cls.operations.items())}
+        """Each rule's capability needs on ``config``, of the rules that act on it (``misuse`` needs REJECTS_MISUSE)."""
+        out = {name: op.needs_on(config) for name, op in sorted(cls.operations.items()) if op.on_config(config)}
         if cls.misuse_cases:
             out["misuse"] = frozenset({Capability.REJECTS_MISUSE})
         return out
@@ -699,8 +712,10 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
 
     @classmethod
     def not_applicable(cls, caps: frozenset[Capability], config: Any) -> tuple[str, ...]:
-        """Rules (and, for an implementation that rejects misuse, misuse cases) whose needs ``caps`` lacks."""
-        out = [name for name, op in sorted(cls.operations.items()) if not op.applicable(caps, config)]
+        """Rules (and, for an implementation that rejects misuse, misuse cases) whose needs ``caps`` lacks; a rule
+        that does not act on ``config`` is none of them (it is no rule there)."""
+        out = [name for name, op in sorted(cls.operations.items())
+               if op.on_config(config) and not op.applicable(caps, config)]
         if cls.misuse_cases and Capability.REJECTS_MISUSE not in caps:
             out.append("misuse")
         elif Capability.REJECTS_MISUSE in caps:
@@ -720,7 +735,7 @@ class Lockstep(RuleBasedStateMachine, Generic[ConfigT, ImplT]):
         return known
 
     def _enabled(self, op: Operation) -> bool:
-        if not self.applicable[op.name]:
+        if not self.rule_on[op.name]:
             return False
         when = op.when
         return when is None or self._gate(op.name, lambda: when(self))

@@ -123,11 +123,11 @@ class Toy(Lockstep[Config, Pool]):
         self.trace.next_step()
 
 
-def _run(factory: Any, *, op_timeout: float | None = None, examples: int = 30, stats: RunStats | None = None
-         ) -> RunStats:
+def _run(factory: Any, *, op_timeout: float | None = None, examples: int = 30, stats: RunStats | None = None,
+         machine: type[Toy] = Toy, config: Config | None = None) -> RunStats:
     stats = stats or RunStats(digest=hashlib.sha256())
-    binding = Binding(factory, Config(4), impl_name=factory.__name__, op_timeout=op_timeout, stats=stats)
-    run_state_machine_as_test(lambda: Toy(binding), settings=settings(get_profile("dev"), max_examples=examples,
+    binding = Binding(factory, config or Config(4), impl_name=factory.__name__, op_timeout=op_timeout, stats=stats)
+    run_state_machine_as_test(lambda: machine(binding), settings=settings(get_profile("dev"), max_examples=examples,
                                                                 report_multiple_bugs=False))
     return stats
 
@@ -139,6 +139,28 @@ def test_declarations_are_collected_once_per_class() -> None:
     assert Toy.checks == ("measured", "same_free_pages")  # the base class's (custody, structure), then its own
     assert Toy.needs(Config(4)) == {"checkpoint": {C.BACKUP_RESTORE}, "give": frozenset(), "take": {C.ALLOC},
                                     "misuse": {C.REJECTS_MISUSE}}
+
+
+class Roomy(Toy):
+    """``give_all`` acts only on pools of more than 4 pages; its precondition alone would hold on any."""
+
+    @operation(on=lambda config: config.pages > 4, when=lambda self: self.free < self.config.pages)
+    def give_all(self) -> None:
+        n = self.config.pages - self.free
+        out = self.call("give", f"{n}", lambda: give(self.free, n, self.config.pages), lambda: self.impl.give(n))
+        if out:
+            self.free = out[0]
+
+
+def test_a_rule_off_a_config_is_no_rule_there() -> None:
+    """``on``: off its configs a rule is not declared, not "not applicable", and never enabled even where its
+    precondition holds (so never "never run"); the misuse cases of its operation stay. On its configs it is a rule."""
+    assert "give_all" not in Roomy.needs(Config(4)) and "give_all" in Roomy.needs(Config(6))
+    assert Roomy.not_applicable(frozenset({C.REJECTS_MISUSE}), Config(4)) == ("checkpoint", "take")
+    assert Roomy.not_applicable(frozenset({C.REJECTS_MISUSE}), Config(6)) == ("checkpoint", "take")
+    off, on = (_run(Pool, machine=Roomy, config=Config(pages)) for pages in (4, 6))
+    assert off.rules["give_all"] == 0 and off.rules["take"] and off.rules["misuse:give:never_taken"]
+    assert on.rules["give_all"] > 0
 
 
 def test_a_correct_implementation_passes_and_every_rule_is_counted() -> None:

@@ -42,6 +42,24 @@ def test_runtime_conforms(config, device: str) -> None:
         assert report.outcomes["OutOfMemory"]
 
 
+class RejectsNoMisuse(SWATokenToKVPoolAllocator):
+    """kvproof's runtime declaring no ``REJECTS_MISUSE``, as SGLang's allocator: only the legal rules call it."""
+
+    capabilities = SWATokenToKVPoolAllocator.capabilities - {Capability.REJECTS_MISUSE}
+
+
+@pytest.mark.parametrize("config", [*RING_CONFIGS, RING_P1_CONFIG], ids=lambda c: c.label())
+def test_on_a_ring_the_legal_rules_alone_run_every_rule_declared(config) -> None:
+    """A ring takes no SWA page and writes no mapping, so ``set_full_to_swa_mapping`` has nothing legal to re-attach
+    there: it is declared off ring configs, and a run of legal rules alone (no misuse call reaches the method) is not
+    reported as leaving it never run (every SGLang CI run said so, of both ring configs)."""
+    assert "set_full_to_swa_mapping" not in get_suite("swa_allocator").needs(config)
+    report = check_swa_allocator(RejectsNoMisuse, config, profile="ci", impl_name="runtime without misuse")
+    assert report.passed and "misuse" in report.not_applicable, report.failure
+    assert report.never_run == (), report.never_run
+    assert report.calls.get("set_full_to_swa_mapping", 0) == 0
+
+
 def test_runtime_declares_everything_and_meets_the_protocol() -> None:
     alloc = SWATokenToKVPoolAllocator(CONFORMANCE_CONFIGS[0], device="cpu")
     assert isinstance(alloc, SWAAllocatorUnderTest)
