@@ -70,6 +70,12 @@ def _node(parent: int, length: int, swa: ad.SwaValue, *, full: bool = True) -> N
     return Node(parent=parent, length=length, full_on_device=full, swa=swa)
 
 
+def _chunked_prefill(setup: AdmissionSetup) -> bool:
+    """Chunked prefill is on: a prompt can be left after its round, so chunks are cached and continued (without it,
+    ``add_chunked_req`` and ``cache_unfinished_req`` have nothing to act on)."""
+    return setup.config.chunk_size is not None
+
+
 def _config(p: int, w: int, pages: int, chunk: int | None) -> ad.AdmissionConfig:
     return ad.AdmissionConfig(page_size=p, sliding_window=w, swa_pages=pages, chunk_size=chunk)
 
@@ -142,7 +148,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
         it in 25,000 steps each (the continuation goes first in its round, and every policy's reservations leave
         it room there); a deferral is driven directly by tests/spec/test_drift_admission.py and
         tests/gpu_runtime/test_admission.py."""
-        chunked = config.config.chunk_size is not None
+        chunked = _chunked_prefill(config)
         return {"requests waiting at once": 8, "requests admitted in one round": 2, "requests running at once": 5,
                 "add_one_req refused": 1, "add_chunked_req per request": 2 if chunked else 0,
                 "misuse cache_finished_req:prompt_left": 1 if chunked else 0,
@@ -268,7 +274,7 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.queue, self.matched, self.stopped = self._waiting(), set(), False
             self.continuing = self._chunked()
 
-    @operation(when=lambda self: self._round_open() and self.continuing)
+    @operation(when=lambda self: self._round_open() and self.continuing, on=_chunked_prefill)
     def add_chunked_req(self) -> None:
         """A chunked request's next chunk, first thing in the round (§5.3): ``min(rem_chunk, rem_swa_tokens - P)``
         tokens, or deferred when that is not positive (liveness: a deferral with nothing else holding SWA is a
@@ -422,7 +428,8 @@ class AdmissionMachine(Lockstep[AdmissionSetup, AdmissionSystemUnderTest]):
             self.ref = out[0][0]
             self.count("evict per example")
 
-    @operation(when=lambda self: not self._round_open() and self._uncached(), data=st.data())
+    @operation(when=lambda self: not self._round_open() and self._uncached(), on=_chunked_prefill,
+               data=st.data())
     def cache_unfinished_req(self, data: Any) -> None:
         """A running chunk with prompt left ran (its round closed, the next not open): its prefix grows by the chunk,
         its own pages wholly out of the window are freed; it is continued in the next round."""

@@ -17,6 +17,7 @@ rule's capability needs and misuse cases) and its default configs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -437,7 +438,7 @@ def run_check(component: Component | str, factory: Callable[[Any], Any], config:
     vector: dict[str, Any] | None = None
 
     def report() -> CheckReport:
-        ran = {rule for rule, count in (stats.rules + stats.calls).items() if count}
+        ran = {rule for rule, count in stats.rules.items() if count} | legal_calls(stats)
         never = tuple(r for r in suite.needs(config) if r not in na and r != "misuse" and r not in ran)
         evidence = stats.evidence if failure is not None else None
         return CheckReport(name, impl_name, config, caps, na, dict(stats.rules), dict(stats.outcomes), stats.steps,
@@ -532,6 +533,16 @@ def _heap_frozen() -> Iterator[None]:
     finally:
         _frozen -= 1
         gc.unfreeze()
+
+
+def legal_calls(stats: RunStats) -> set[str]:
+    """The operations a run called outside a misuse case (a rule, a scenario, the harness): a rule whose operation
+    was only ever called as misuse never ran (each misuse case ``misuse:op:case`` makes one call of ``op``)."""
+    misused = collections.Counter[str]()
+    for name, count in stats.rules.items():
+        if name.startswith("misuse:"):
+            misused[name.split(":")[1]] += count
+    return {op for op, count in stats.calls.items() if count > misused[op]}
 
 
 def structure_targets(suite: Suite, config: Any, caps: frozenset[Capability], na: tuple[str, ...]

@@ -163,6 +163,20 @@ def test_a_rule_off_a_config_is_no_rule_there() -> None:
     assert on.rules["give_all"] > 0
 
 
+def test_a_call_staged_as_misuse_does_not_run_its_rule() -> None:
+    """``never_run`` counts a rule as run when it executed, or when its operation was called outside a misuse case
+    (by another rule or the harness): a rule reached only as misuse never ran (an implementation that rejects no
+    misuse would not have called it at all)."""
+    from kvproof.conformance.check import legal_calls
+
+    stats = RunStats()
+    stats.calls.update({"give": 3, "take": 1})
+    stats.rules.update({"misuse": 3, "misuse:give:never_taken": 2, "misuse:give:too_many": 1})
+    assert legal_calls(stats) == {"take"}
+    stats.calls["give"] += 1  # one more call, from a rule
+    assert legal_calls(stats) == {"give", "take"}
+
+
 def test_a_correct_implementation_passes_and_every_rule_is_counted() -> None:
     stats = _run(Pool)
     assert stats.rules["take"] and stats.rules["give"] and stats.rules["misuse:give:never_taken"]

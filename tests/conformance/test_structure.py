@@ -1,7 +1,8 @@
 """Structural coverage (issue 14): for every component, a ``ci`` run of its default configs against kvproof's runtime
 takes each structural dimension its suite declares (batch sizes, requests alive, pools full, restore and remap
-cycles, each misuse case, ...) to its maximum on at least one config; and the measurement can fail: a suite whose
-strategies cannot reach a dimension is reported as below its maximum.
+cycles, each misuse case, ...) to its maximum on at least one config, and runs every rule declared on each config
+outside a misuse case; and the measurement can fail: a suite whose strategies cannot reach a dimension is reported
+as below its maximum.
 
 The runs are the plan ``kvproof conform --component <c>`` makes (the registry's default implementation and options).
 """
@@ -34,6 +35,9 @@ def test_ci_reaches_every_declared_dimension(component: str) -> None:
         report = run_check(test.component, test.impl.factory, test.config, profile="ci", impl_name=test.impl.spec,
                            failures_dir=None, **test.options)
         assert report.passed, report.failure
+        # a rule declared on a config runs there as itself (an implementation that rejects no misuse, as SGLang's,
+        # calls it no other way); one with nothing to act on there is declared off it (Operation.on)
+        assert report.never_run == (), f"{test.test_id}: rules never executed: {report.never_run}"
         reports.append(report)
     declared = {d for r in reports for d in r.structure_targets}
     assert declared, f"{component} declares no structural dimension"
