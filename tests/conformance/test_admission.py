@@ -5,20 +5,19 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 from hypothesis import settings
 
 from kvproof.conformance.admission import ADMISSION_CONFIGS, STARVATION_BOUND
-from kvproof.conformance.check import check, get_suite, run_check
+from kvproof.conformance.check import get_suite, run_check
 from kvproof.conformance.profiles import get_profile
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference.admission import AdmissionConfig, AdmissionPolicy, AdmissionSetup, Node, SwaValue
 from kvproof.reference.registry import info, options
 
+from .runtime_runs import DEVICES, group, planned, runtime_run
+
 IDS = [c.label() for c in ADMISSION_CONFIGS]
 LONG_TOMBSTONE = next(c for c in ADMISSION_CONFIGS if c.name == "long_tombstone")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 
 
 def _steps(failure: str) -> list[str]:
@@ -27,11 +26,13 @@ def _steps(failure: str) -> list[str]:
     return re.findall(r"^\s+\d+\. (\w+)\(", trace, flags=re.M)
 
 
+@group("admission")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", ADMISSION_CONFIGS, ids=IDS)
 def test_corrected_holds_on_the_runtime(config, device: str) -> None:
-    report = check("admission", lambda cfg: AdmissionRuntime(cfg, device=device), config, profile="ci",
-                   impl_name=f"runtime[{device}]", policy="corrected")
+    assert all(test.options["policy"] == AdmissionPolicy.CORRECTED.value for test in planned("admission"))
+    report = runtime_run("admission", config, device)  # under the registry's default budget, corrected
+    assert report.passed, report.failure
     for rule in ("add_one_req", "prepare_for_extend", "evict", "cache_finished_req", "misuse"):
         assert report.rules[rule] > 0, rule
     if config.config.chunk_size is not None:  # chunks are cached and continued

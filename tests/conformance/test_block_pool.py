@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 
 from kvproof.conformance.block_pool import BLOCK_POOL_CONFIGS, SUITE
 from kvproof.conformance.check import kill_mutants, run_check
@@ -18,6 +17,8 @@ from kvproof.gpu_runtime.block_pool import BlockPoolRuntime
 from kvproof.reference import block_pool as bp
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import OutOfMemory
+
+from .runtime_runs import DEVICES, group, runtime_run
 
 IDS = [c.label() for c in BLOCK_POOL_CONFIGS]
 
@@ -49,15 +50,13 @@ def test_misuse_cases_are_all_reachable() -> None:
 # ---------------------------------------------------------------- kvproof's runtime and its mutants
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 
 
+@group("block_pool")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", BLOCK_POOL_CONFIGS, ids=IDS)
 def test_runtime_conforms(config: bp.BlockPoolConfig, device: str) -> None:
-    report = run_check("block_pool", lambda cfg: BlockPoolRuntime(cfg, device=device), config, profile="ci",
-                       impl_name=f"runtime[{device}]", failures_dir=None)
+    report = runtime_run("block_pool", config, device)
     assert report.passed, report.failure
     assert report.outcomes["OutOfMemory"] > 0 and report.rules["misuse"] > 0
     assert report.never_run == ()

@@ -3,7 +3,6 @@
 import re
 
 import pytest
-import torch
 
 from kvproof.conformance.check import check, run_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS
@@ -12,17 +11,18 @@ from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.decode_prealloc import PreallocPolicy
 
+from .runtime_runs import DEVICES, group, runtime_run
+
 IDS = [c.label() for c in CONFORMANCE_CONFIGS]
 UPSTREAM = DEFAULT_DECODE_CONFIG.model_copy(update={"policy": PreallocPolicy.UPSTREAM})
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 
 
+@group("decode_prealloc")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=IDS)
 def test_corrected_policy_holds_on_the_runtime(config, device: str) -> None:
-    report = check("decode_prealloc", lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config,
-                   profile="ci", impl_name=f"runtime[{device}]")
+    report = runtime_run("decode_prealloc", config, device)  # the registry's default: DEFAULT_DECODE_CONFIG
+    assert report.passed, report.failure
     assert report.rules["pop_preallocated"] > 0 and report.rules["decode"] > 0
     assert report.rules["retract"] > 0 and report.rules["resume_retracted_reqs"] > 0
     assert report.calls.get("load_cpu_copy", 0) > 0

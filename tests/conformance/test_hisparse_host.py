@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from kvproof.conformance.check import check, check_hisparse_host, kill_mutants, run_check
+from kvproof.conformance.check import check, kill_mutants, run_check
 from kvproof.conformance.hisparse_host import HOST_CONFIGS, SUITE
 from kvproof.conformance.mutants.hisparse_host import MUTANTS
 from kvproof.conformance.reference_impl import ReferenceHostPool
@@ -14,17 +14,18 @@ from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.errors import InvalidOperation
 
+from .runtime_runs import DEVICES, group, runtime_run
+
 IDS = [c.label() for c in HOST_CONFIGS]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 P4 = next(c for c in HOST_CONFIGS if c.page_size == 4)
 
 
+@group("hisparse_host")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", HOST_CONFIGS, ids=IDS)
 def test_runtime_conforms(config: hh.HostPoolConfig, device: str) -> None:
-    report = check_hisparse_host(lambda cfg: HiSparseHostPool(cfg, device=device), config, profile="ci",
-                                 impl_name=f"runtime[{device}]")
+    report = runtime_run("hisparse_host", config, device)
+    assert report.passed, report.failure
     ops = {name for name in report.rules if not name.startswith("misuse")}
     assert ops == set(SUITE.needs(config)) - {"misuse"}, report.rules  # every rule ran
     assert report.rules["misuse"] > 0

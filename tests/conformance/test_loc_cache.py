@@ -8,7 +8,6 @@ Z3 twin in ``kvproof.spec.loc_cache`` (a counterexample).
 import re
 
 import pytest
-import torch
 
 from kvproof import spec
 from kvproof.conformance.check import check_loc_cache, run_check
@@ -19,10 +18,10 @@ from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
+from .runtime_runs import DEVICES, group, runtime_run
+
 IDS = [c.label() for c in CONFORMANCE_CONFIGS]
 LOC_RULES = set(LocCacheMachine.operations) - set(SWAAllocatorMachine.operations)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 
 #: The Z3 obligation that must refute the same broken design as each runtime mutant.
 Z3_TWIN = {
@@ -35,11 +34,12 @@ Z3_TWIN = {
 }
 
 
+@group("loc_cache")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", CONFORMANCE_CONFIGS, ids=IDS)
 def test_runtime_passes_loc_cache_suite(config, device: str) -> None:
-    report = check_loc_cache(lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config, profile="ci",
-                             impl_name=f"runtime[{device}]")
+    report = runtime_run("loc_cache", config, device)
+    assert report.passed, report.failure
     assert report.not_applicable == ()
     assert not LOC_RULES & set(report.never_run), f"loc_cache rules never executed: {report.never_run}"
 

@@ -4,7 +4,8 @@ cycles, each misuse case, ...) to its maximum on at least one config, and runs e
 outside a misuse case; and the measurement can fail: a suite whose strategies cannot reach a dimension is reported
 as below its maximum.
 
-The runs are the plan ``kvproof conform --component <c>`` makes (the registry's default implementation and options).
+The runs are the plan ``kvproof conform --component <c>`` makes (the registry's default implementation and options),
+shared with each component's own conformance test (:mod:`tests.conformance.runtime_runs`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.contract import Capability
 from kvproof.reference.registry import Component, Layer, info
 
+from .runtime_runs import default_run, group, planned
+
 WITH_SUITES = [c.value for c in Component if info(c).has(Layer.SUITE)]
 WITH_MISUSE = [c for c in WITH_SUITES if get_suite(c).misuse_cases]
 
 
-@pytest.mark.parametrize("component", WITH_SUITES)
+@pytest.mark.parametrize("component", [pytest.param(c, marks=group(c)) for c in WITH_SUITES])
 def test_ci_reaches_every_declared_dimension(component: str) -> None:
     reports = []
-    for test in plan((component,), load_impls(()), (), None, {}).tests:
-        report = run_check(test.component, test.impl.factory, test.config, profile="ci", impl_name=test.impl.spec,
-                           failures_dir=None, **test.options)
+    for test in planned(component):  # the runs each component's conformance test asserts on (runtime_runs)
+        report = default_run(component, test.config)
         assert report.passed, report.failure
         # a rule declared on a config runs there as itself (an implementation that rejects no misuse, as SGLang's,
         # calls it no other way); one with nothing to act on there is declared off it (Operation.on)

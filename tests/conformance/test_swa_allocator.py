@@ -8,7 +8,6 @@ test shrinks, because the issue asks for the shrunk trace (<= 8 steps).
 import re
 
 import pytest
-import torch
 
 from kvproof.conformance.check import check_swa_allocator, get_suite, kill_mutants, run_swa_allocator_check
 from kvproof.conformance.configs import CONFORMANCE_CONFIGS, RING_CONFIGS, RING_P1_CONFIG
@@ -16,9 +15,7 @@ from kvproof.conformance.mutants.swa_allocator import MUTANTS
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
-
+from .runtime_runs import DEVICES, group, runtime_run
 
 #: every config of the suite (the ring configs last), and the P == 1 ring 0.5.23 never builds (F8's shape)
 CONFIGS = (*get_suite("swa_allocator").configs, RING_P1_CONFIG)
@@ -29,11 +26,12 @@ def test_the_suite_runs_the_ring_configs() -> None:
     assert all(c.ring and c.page_size > 1 for c in RING_CONFIGS) and RING_P1_CONFIG.ring
 
 
+@group("swa_allocator")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.label() for c in CONFIGS])
 def test_runtime_conforms(config, device: str) -> None:
-    report = check_swa_allocator(lambda cfg: SWATokenToKVPoolAllocator(cfg, device=device), config,
-                                 profile="ci", impl_name=f"runtime[{device}]")
+    report = runtime_run("swa_allocator", config, device)
+    assert report.passed, report.failure
     assert report.not_applicable == ()
     assert report.never_run == (), f"rules never executed: {report.never_run}"
     assert report.steps > 1000

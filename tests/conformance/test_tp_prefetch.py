@@ -19,7 +19,9 @@ from kvproof.conformance.tp_prefetch import TP_CONFIGS
 from kvproof.gpu_runtime.tp_prefetch import TPPrefetchRuntime
 from kvproof.reference.registry import info, options
 
-pytestmark = pytest.mark.xdist_group("ranks")  # rank processes: one worker at a time on the 2-core machine
+from .runtime_runs import default_run, group, planned
+
+pytestmark = group("tp_prefetch")  # rank processes ("ranks"): one worker at a time on the 2-core machine
 
 IDS = [c.label() for c in TP_CONFIGS]
 PAIR, TRIO = TP_CONFIGS[0], TP_CONFIGS[1]
@@ -51,8 +53,8 @@ def test_the_configs_cover_world_sizes_and_window_shapes() -> None:
 
 @pytest.mark.parametrize("config", TP_CONFIGS, ids=IDS)
 def test_upstream_0523_holds_on_the_runtime(config) -> None:
-    report = run_check("tp_prefetch", TPPrefetchRuntime, config, profile="ci", impl_name="runtime",
-                       failures_dir=None)
+    assert all(test.options == {"variant": "upstream_0523", "ranks": "agree"} for test in planned("tp_prefetch"))
+    report = default_run("tp_prefetch", config)  # under the registry's defaults (this file's xdist group is group's)
     assert report.passed, report.failure
     for rule in ("sync_prefetch_hit_query", "page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack",
                  "handle_prefetch_result"):
