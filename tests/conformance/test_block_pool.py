@@ -50,8 +50,6 @@ def test_misuse_cases_are_all_reachable() -> None:
 # ---------------------------------------------------------------- kvproof's runtime and its mutants
 
 
-
-
 @group("block_pool")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", BLOCK_POOL_CONFIGS, ids=IDS)
