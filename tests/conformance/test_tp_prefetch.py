@@ -54,7 +54,7 @@ def test_the_configs_cover_world_sizes_and_window_shapes() -> None:
 @pytest.mark.parametrize("config", TP_CONFIGS, ids=IDS)
 def test_upstream_0523_holds_on_the_runtime(config) -> None:
     assert all(test.options == {"variant": "upstream_0523", "ranks": "agree"} for test in planned("tp_prefetch"))
-    report = default_run("tp_prefetch", config)  # under the registry's defaults (this file's xdist group is group's)
+    report = default_run("tp_prefetch", config)  # shared with test_structure: both in group("tp_prefetch")
     assert report.passed, report.failure
     for rule in ("sync_prefetch_hit_query", "page_transfer", "can_terminate_prefetch", "reduce_prefetch_ack",
                  "handle_prefetch_result"):
