@@ -5,7 +5,7 @@ its kin: the runtime passes a config, and runs the rules that config is for) and
 component's configs, every structural dimension reaches its maximum). Both read the run here, the plan
 ``kvproof conform --component <c>`` makes (the registry's default implementation and options, ``ci``: derandomized,
 so the run is the same wherever it is made), and both carry :func:`group`'s mark, so ``--dist loadgroup`` sends them to
-one worker, which makes each run once. A run on another device than the runtime's default is made by the test alone.
+one worker, which makes each run once. A run on another device than the runtime's default is made once per worker too.
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ import functools
 from typing import Any
 
 import pytest
-import torch
 
 from kvproof.conformance.check import CheckReport, run_check
 from kvproof.conformance.plan import PlannedTest, load_impls, plan
 from kvproof.gpu_runtime.paged import default_device, resolve_device
 from kvproof.reference.registry import Component
-
-#: the runtime's devices a conformance test runs on: the CPU, and CUDA where there is one
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
 
 
 def group(component: Component | str) -> pytest.MarkDecorator:
@@ -48,23 +43,23 @@ def _test(component: Component, config: Any) -> PlannedTest:
 
 
 @functools.cache
-def _default_run(component: Component, config: Any) -> CheckReport:
+def _run(component: Component, config: Any, device: str | None) -> CheckReport:
+    """The ``ci`` run of ``config`` against the registry's default implementation (``device``: on that device; ``None``:
+    the implementation's default)."""
     test = _test(component, config)
-    return run_check(test.component, test.impl.factory, test.config, profile="ci", impl_name=test.impl.spec,
-                     failures_dir=None, **test.options)
+    factory = test.impl.factory if device is None else functools.partial(test.impl.factory, device=device)
+    name = test.impl.spec if device is None else f"{test.impl.spec}[{device}]"
+    return run_check(test.component, factory, test.config, profile="ci", impl_name=name, failures_dir=None,
+                     **test.options)
 
 
 def default_run(component: Component | str, config: Any) -> CheckReport:
     """The ``ci`` run of ``component``'s suite on ``config`` against the registry's default implementation, kvproof's
     runtime on its default device, as ``kvproof conform --component <c>`` makes it."""
-    return _default_run(Component(component), config)
+    return _run(Component(component), config, None)
 
 
 def runtime_run(component: Component | str, config: Any, device: str) -> CheckReport:
-    """:func:`default_run` on ``device``: the shared run where ``device`` is the runtime's default, else a run of the
-    registry's default implementation on ``device`` made for the caller."""
-    if resolve_device(device) == default_device():
-        return default_run(component, config)
-    test = _test(Component(component), config)
-    return run_check(test.component, functools.partial(test.impl.factory, device=device), test.config, profile="ci",
-                     impl_name=f"{test.impl.spec}[{device}]", failures_dir=None, **test.options)
+    """:func:`default_run` on ``device``: the same run where ``device`` is the runtime's default, else a run of the
+    registry's default implementation on ``device``."""
+    return _run(Component(component), config, None if resolve_device(device) == default_device() else device)

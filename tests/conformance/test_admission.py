@@ -14,7 +14,8 @@ from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference.admission import AdmissionConfig, AdmissionPolicy, AdmissionSetup, Node, SwaValue
 from kvproof.reference.registry import info, options
 
-from .runtime_runs import DEVICES, group, planned, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, planned, runtime_run
 
 IDS = [c.label() for c in ADMISSION_CONFIGS]
 LONG_TOMBSTONE = next(c for c in ADMISSION_CONFIGS if c.name == "long_tombstone")

@@ -18,7 +18,8 @@ from kvproof.reference import block_pool as bp
 from kvproof.reference.contract import Capability
 from kvproof.reference.errors import OutOfMemory
 
-from .runtime_runs import DEVICES, group, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, runtime_run
 
 IDS = [c.label() for c in BLOCK_POOL_CONFIGS]
 

@@ -11,7 +11,8 @@ from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.decode_prealloc import PreallocPolicy
 
-from .runtime_runs import DEVICES, group, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, runtime_run
 
 IDS = [c.label() for c in CONFORMANCE_CONFIGS]
 UPSTREAM = DEFAULT_DECODE_CONFIG.model_copy(update={"policy": PreallocPolicy.UPSTREAM})

@@ -14,7 +14,8 @@ from kvproof.gpu_runtime.hisparse_host import HiSparseHostPool
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.errors import InvalidOperation
 
-from .runtime_runs import DEVICES, group, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, runtime_run
 
 IDS = [c.label() for c in HOST_CONFIGS]
 P4 = next(c for c in HOST_CONFIGS if c.page_size == 4)

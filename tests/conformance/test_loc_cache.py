@@ -18,7 +18,8 @@ from kvproof.conformance.reference_impl import ReferenceAllocator
 from kvproof.conformance.swa_allocator import SWAAllocatorMachine
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 
-from .runtime_runs import DEVICES, group, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, runtime_run
 
 IDS = [c.label() for c in CONFORMANCE_CONFIGS]
 LOC_RULES = set(LocCacheMachine.operations) - set(SWAAllocatorMachine.operations)

@@ -15,7 +15,8 @@ from kvproof.conformance.mutants.swa_allocator import MUTANTS
 from kvproof.gpu_runtime import SWATokenToKVPoolAllocator
 from kvproof.reference.contract import Capability, SWAAllocatorUnderTest
 
-from .runtime_runs import DEVICES, group, runtime_run
+from ..devices import DEVICES
+from .runtime_runs import group, runtime_run
 
 #: every config of the suite (the ring configs last), and the P == 1 ring 0.5.23 never builds (F8's shape)
 CONFIGS = (*get_suite("swa_allocator").configs, RING_P1_CONFIG)

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="no CUDA device on this machine")),
-]
+from ..devices import DEVICES
 
 
 @pytest.fixture(params=DEVICES)

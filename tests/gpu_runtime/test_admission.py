@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvproof.gpu_runtime.admission import AdmissionRuntime
 from kvproof.reference import admission as ad
@@ -14,8 +13,8 @@ from kvproof.reference.contract import AdmissionSystemUnderTest
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.reference.registry import Component
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device on this machine"))]
+from ..devices import DEVICES
+
 DEVICE, HOST, NONE = SwaValue.DEVICE, SwaValue.HOST, SwaValue.NONE
 
 
