@@ -13,8 +13,6 @@ from kvproof.reference.contract import AdmissionSystemUnderTest
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.reference.registry import Component
 
-from ..devices import DEVICES
-
 DEVICE, HOST, NONE = SwaValue.DEVICE, SwaValue.HOST, SwaValue.NONE
 
 
@@ -46,7 +44,6 @@ def test_declares_its_component_and_meets_the_contract() -> None:
     assert snap.state == ad.initial_state(rt.config)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_s8_pre_27391_admits_then_prefill_runs_out(device: str) -> None:
     """S8: budget 576 < 640 admits; load-back takes 3 pages; the 512-token chunk needs 8 of the 7 left."""
     rt = AdmissionRuntime(setup(AdmissionPolicy.PRE_27391, nodes=s8_tree()), device=device)
@@ -204,7 +201,6 @@ def chunked(rt: AdmissionRuntime, prompt: int, node: int = -1, max_new: int = 2)
     return rid
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_a_chunked_request_continues_with_unaligned_chunks_and_frees_out_of_window_pages(device: str) -> None:
     """P=4, W=8, chunk 10, 12 pages, an 8-token device prefix: chunks of 8 (page-floored), 10, 10 and the last 2;
     each continuation takes the pages past its last partly filled one, each cache frees floor((done - W) / P)."""
