@@ -6,6 +6,9 @@ Nothing here is a timed test: it prints numbers, it never asserts on them.
   runtime under a fixed derandomized profile (steps = checked transitions), under Hypothesis' engine (the
   default mode) and under the breadth driver (``kvproof fuzz --mode breadth``: the same rules and checks), on one
   core (one torch thread), the best of three alternating runs of each, and their ratio;
+* a floor under the default mode's driver: Hypothesis' engine alone on the suite's rule alphabet (the same rules
+  and argument strategies, empty bodies and checks), and the default mode's ceiling it gives with the
+  implementation, the reference and the checks as measured (the harness' own bookkeeping at nothing);
 * ``kvproof fuzz`` throughput: lockstep steps/s of a campaign over the ``swa_allocator`` slices with one worker
   and with one per core (each for the same wall-clock budget, in a scratch directory), and their ratio; and of one
   worker in the breadth mode, against one in the default mode;
@@ -165,6 +168,42 @@ def lockstep_rate(examples: int, op_timeout: float | None = DEFAULT_OP_TIMEOUT, 
         for part, spent in report.split.items():
             split[part] += spent
     return LockstepRate(steps, seconds, dict(split))
+
+
+def engine_alone_us(examples: int) -> float:
+    """Microseconds per step Hypothesis' engine spends on ``swa_allocator``'s rule alphabet alone: a state machine
+    with the suite's rules on each conformance config (the same names, each behind a precondition as the suite's are,
+    drawing the same argument strategies), its ``misuse`` rule and as many per-step invariants, every body and
+    precondition doing nothing, run under the profile :func:`lockstep_rate` runs. A floor for the default mode's
+    driver: the suite's rules draw more inside their bodies (``data.draw``), and its preconditions and bodies cost
+    something."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+    from kvproof.conformance.check import get_suite
+
+    suite = get_suite(Component.SWA_ALLOCATOR).machine
+    profile = settings(get_profile("ci"), max_examples=examples)
+    steps, seconds = 0, 0.0
+
+    def step(self: Any, **kwargs: Any) -> None:
+        nonlocal steps
+        steps += 1
+
+    def empty(self: Any) -> None:
+        return None
+
+    for cfg in CONFORMANCE_CONFIGS:
+        strategies = {name: dict(op.strategies) for name, op in suite.operations.items() if op.on_config(cfg)}
+        if suite.misuse_cases:
+            strategies["misuse"] = {"data": st.data()}
+        body = {name: rule(**drawn)(precondition(lambda self: True)(step)) for name, drawn in strategies.items()}
+        body |= {name: invariant()(empty) for name in suite.checks}
+        machine = type(f"EngineAlone_{cfg.label()}", (RuleBasedStateMachine,), body)
+        start = time.perf_counter()
+        run_state_machine_as_test(machine, settings=profile)
+        seconds += time.perf_counter() - start
+    return seconds / steps * 1e6
 
 
 def _fastest(examples: int, rounds: int, **variants: dict[str, Any]) -> dict[str, LockstepRate]:
@@ -440,6 +479,8 @@ def _swa_allocator(quick: bool) -> Section:
     (steps_per_s, steps), (breadth_per_s, breadth_steps) = (default.per_second, default.steps), (
         breadth.per_second, breadth.steps)
     floor = sum(breadth.micros(part) for part in ("implementation", "reference", "checks"))
+    engine = min(engine_alone_us(examples) for _ in range(1 if quick else 3))  # the fastest: a floor
+    ceiling = 1e6 / (engine + sum(default.micros(part) for part in ("implementation", "reference", "checks")))
     cores = os.cpu_count() or 1
     fuzz_s = 8.0 if quick else 30.0
     fuzz_one, _ = fuzz_steps_per_second(1, fuzz_s)
@@ -461,6 +502,10 @@ def _swa_allocator(quick: bool) -> Section:
            for mode, rate in (("hypothesis mode", default), ("breadth mode", breadth))},
         "breadth / hypothesis bound with a driver costing nothing (hypothesis step / the three parts)":
             f"{1e6 / steps_per_s / floor:.2f}x",
+        "us per step, Hypothesis' engine alone on the suite's rules (empty rules and checks: a floor)":
+            f"{engine:.0f}",
+        "hypothesis mode ceiling, steps/s: that floor + implementation + reference + checks, no harness":
+            f"{ceiling:,.0f}",
         f"kvproof fuzz steps/s, 1 worker / {cores} workers ({fuzz_s:g} s each)": f"{fuzz_one:,.0f} / {fuzz_all:,.0f}",
         f"kvproof fuzz {cores} workers / 1 worker (ideal {cores}x)": f"{fuzz_all / fuzz_one:.2f}x",
         "kvproof fuzz --mode breadth steps/s, 1 worker (a campaign: process-isolated, saved failures)":
@@ -473,6 +518,7 @@ def _swa_allocator(quick: bool) -> Section:
     }, values={"pairs_p1": p1, "pairs_p4": p4, "ref_pairs_p4": r4, "steps_per_s": steps_per_s, "overhead": overhead,
                "breadth_steps_per_s": breadth_per_s, "breadth_vs_hypothesis": breadth_per_s / steps_per_s,
                "breadth_bound": 1e6 / steps_per_s / floor,
+               "engine_alone_us": engine, "hypothesis_ceiling": ceiling,
                **{f"{mode}_us_{part}": rate.micros(part) for mode, rate in (("hypothesis", default),
                                                                             ("breadth", breadth))
                   for part in ("implementation", "reference", "checks", "driver")},

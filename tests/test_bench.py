@@ -18,6 +18,7 @@ def test_bench_quick_reports_every_measure() -> None:
                             "fuzz_scaling", "fuzz_breadth_steps_per_s", "fuzz_breadth_vs_hypothesis",
                             "block_pool_steps_per_s", "block_pool_reference_steps_per_s",
                             "block_pool_vs_reference", "block_pool_lockstep_steps_per_s", "breadth_bound",
+                            "engine_alone_us", "hypothesis_ceiling",
                             *(f"{mode}_us_{part}" for mode in ("hypothesis", "breadth")
                               for part in ("implementation", "reference", "checks", "driver"))}
     assert all(value > 0 for value in numbers.values())
@@ -26,6 +27,9 @@ def test_bench_quick_reports_every_measure() -> None:
                                                                          "driver"))
     assert abs(hypothesis_step - 1e6 / numbers["steps_per_s"]) < 1e-6 * hypothesis_step
     assert numbers["breadth_bound"] > numbers["breadth_vs_hypothesis"]
+    # the engine alone is a floor under the default mode's driver, so its ceiling bounds the default mode's rate
+    assert numbers["engine_alone_us"] < numbers["hypothesis_us_driver"]
+    assert numbers["hypothesis_ceiling"] > numbers["steps_per_s"]
     text = console.export_text()
     assert "lockstep steps/s in-process / process-isolated" in text
     assert "harness overhead" in text and "hisparse_host backup: batched / one request per call" in text
@@ -33,6 +37,7 @@ def test_bench_quick_reports_every_measure() -> None:
     assert "upstream_27391" in text and "OOM" in text  # S8's row: pre_27391 admits, then runs out
     assert "tp_prefetch hit sync per prefetch, 2 / 4 ranks (ms)" in text
     assert "us per step, breadth mode: implementation / reference / checks / driver" in text
+    assert "Hypothesis' engine alone on the suite's rules" in text and "hypothesis mode ceiling, steps/s" in text
     assert "breadth / hypothesis mode steps/s (one core)" in text and "kvproof fuzz steps/s, 1 worker / " in text
     assert "workers / 1 worker (ideal" in text and "kvproof fuzz --mode breadth / hypothesis, 1 worker" in text
     assert "block_pool scheduler steps/s" in text and "block_pool lockstep steps/s" in text
