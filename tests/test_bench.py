@@ -27,9 +27,11 @@ def test_bench_quick_reports_every_measure() -> None:
                                                                          "driver"))
     assert abs(hypothesis_step - 1e6 / numbers["steps_per_s"]) < 1e-6 * hypothesis_step
     assert numbers["breadth_bound"] > numbers["breadth_vs_hypothesis"]
-    # the engine alone is a floor under the default mode's driver, so its ceiling bounds the default mode's rate
-    assert numbers["engine_alone_us"] < numbers["hypothesis_us_driver"]
-    assert numbers["hypothesis_ceiling"] > numbers["steps_per_s"]
+    # the ceiling: one step of the engine alone plus the default mode's implementation, reference and checks (no
+    # assertion that it exceeds the measured rate: that compares two timings)
+    ceiling_step = numbers["engine_alone_us"] + sum(numbers[f"hypothesis_us_{part}"] for part in (
+        "implementation", "reference", "checks"))
+    assert abs(numbers["hypothesis_ceiling"] - 1e6 / ceiling_step) < 1e-6 * numbers["hypothesis_ceiling"]
     text = console.export_text()
     assert "lockstep steps/s in-process / process-isolated" in text
     assert "harness overhead" in text and "hisparse_host backup: batched / one request per call" in text
