@@ -38,13 +38,14 @@ from fnmatch import fnmatchcase
 from types import MappingProxyType, ModuleType
 from typing import Any
 
-from kvproof.spec._solver import TEST_RLIMIT, Obligation, Result, run
+from kvproof.spec._solver import TEST_BUDGET, TEST_RLIMIT, Obligation, Result, run
 from kvproof.spec._ts import TransitionSystem
 
 __all__ = [
     "COMPONENTS",
     "COMPONENT_MODULES",
     "OBLIGATIONS",
+    "TEST_BUDGET",
     "TEST_RLIMIT",
     "Obligation",
     "ObligationRegistryError",

@@ -24,13 +24,15 @@ models are skipped when reading values.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import z3
 
 __all__ = [
+    "TEST_BUDGET",
     "TEST_RLIMIT",
     "Expect",
     "Obligation",
@@ -106,6 +108,9 @@ class Result:
 #: About 6x the most any obligation needs under the default seed and seeds 1 and 7 (measured 2026-11-28 with
 #: z3-solver 5.4.0.0: 77M, ``block_pool.allocate_slots.keeps_lists`` under seed 1, 6 s on a 2.6 GHz core).
 TEST_RLIMIT = 500_000_000
+#: What the test suite passes to :func:`run` (``run(ob, **TEST_BUDGET)``): that work, and the clock only as a backstop
+#: against a hang.
+TEST_BUDGET: Mapping[str, int] = MappingProxyType({"rlimit": TEST_RLIMIT, "timeout_ms": 600_000})
 
 
 def run(obligation: Obligation, *, timeout_ms: int = 20_000, seed: int | None = None,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvproof.reference import admission as ad
 from kvproof.reference.arith import ceil_p
-from kvproof.spec import Result, collect, run
+from kvproof.spec import TEST_BUDGET, Result, collect, run
 from kvproof.spec import admission as spec
 from kvproof.spec._solver import closed_value as value
 
@@ -28,7 +28,7 @@ NAMES = {ob.name: ob for ob in spec.OBLIGATIONS}
 
 @functools.cache
 def result(name: str) -> Result:
-    return run(NAMES[name])
+    return run(NAMES[name], **TEST_BUDGET)
 
 
 def test_the_module_has_the_registry_shape() -> None:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvproof.reference import block_pool as ref
 from kvproof.reference.errors import OutOfMemory
-from kvproof.spec import Result, _ts, collect, obligations, run, systems
+from kvproof.spec import TEST_BUDGET, Result, _ts, collect, obligations, run, systems
 from kvproof.spec import block_pool as spec
 
 NAMES = {ob.name: ob for ob in spec.OBLIGATIONS}
@@ -35,7 +35,7 @@ SYSTEM = spec.SYSTEM
 
 @functools.cache
 def result(name: str) -> Result:
-    return run(NAMES[name])
+    return run(NAMES[name], **TEST_BUDGET)
 
 
 def value(term: z3.ExprRef) -> int:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from kvproof.reference import hisparse_host as hh
 from kvproof.reference.arith import ceil_div, ceil_p, floor_p
 from kvproof.reference.errors import InvalidOperation
+from kvproof.spec import TEST_BUDGET, obligations, run
 from kvproof.spec import hisparse_host as spec
-from kvproof.spec import obligations, run
 
 
 def value(term: z3.ExprRef) -> int | bool:
@@ -113,7 +113,7 @@ def test_s7_pre_23606_staging_breaks_the_page_rule() -> None:
     with pytest.raises(InvalidOperation, match="page rule"):
         hh.admit_request_into_staging(hh.initial_state(pre), 0, list(range(S7["prefill"])))
     (twin,) = obligations(name_filter="hisparse_host.admit_request_into_staging.s7_vector.pre_23606_token_alloc")
-    detail = run(twin).detail
+    detail = run(twin, **TEST_BUDGET).detail
     assert "alloc(1000) = 15*64 + 40" in detail and "alloc(3)" in detail and "P_h=64" in detail
 
 
@@ -126,7 +126,7 @@ def _numbers(detail: str) -> dict[str, int]:
 
 def _refuted(name: str) -> str:
     (ob,) = [ob for ob in obligations(component="hisparse_host") if ob.name == f"hisparse_host.{name}"]
-    result = run(ob)
+    result = run(ob, **TEST_BUDGET)
     assert result.ok and result.status == "counterexample", result
     assert re.search(r"\d", result.detail)
     return result.detail

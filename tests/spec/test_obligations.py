@@ -10,13 +10,12 @@ import re
 
 import pytest
 
-from kvproof.spec import OBLIGATIONS, TEST_RLIMIT, Obligation, run
+from kvproof.spec import OBLIGATIONS, TEST_BUDGET, Obligation, run
 
 
 @pytest.mark.parametrize("obligation", OBLIGATIONS, ids=[ob.name for ob in OBLIGATIONS])
 def test_obligation_has_expected_verdict(obligation: Obligation) -> None:
-    # a budget of solver work, the same on every machine (the clock only as a backstop against a hang)
-    result = run(obligation, timeout_ms=600_000, rlimit=TEST_RLIMIT)
+    result = run(obligation, **TEST_BUDGET)  # a budget of solver work, the same on every machine
     assert result.status != "unknown", f"{obligation.name}: {result.detail}"
     assert result.status == obligation.expect, (
         f"{obligation.name}: expected {obligation.expect}, got {result.status}\n{result.detail}"

@@ -15,7 +15,6 @@ PROVED = [ob for ob in spec.OBLIGATIONS if ob.expect == "proved"]
 @pytest.mark.parametrize("seed", [1, 7])
 @pytest.mark.parametrize("obligation", PROVED, ids=[ob.name for ob in PROVED])
 def test_proof_does_not_depend_on_the_seed(obligation: spec.Obligation, seed: int) -> None:
-    # the same solver work on every machine (a wall-clock bound timed out on a loaded machine); the clock only as a
-    # backstop against a hang
-    result = spec.run(obligation, timeout_ms=600_000, seed=seed, rlimit=spec.TEST_RLIMIT)
+    # the same solver work on every machine (a wall-clock bound timed out on a loaded machine)
+    result = spec.run(obligation, seed=seed, **spec.TEST_BUDGET)
     assert result.status == "proved", f"{obligation.name} with seed {seed}: {result.status} {result.detail}"

@@ -19,7 +19,7 @@ from kvproof.reference import swa_allocator as reference
 from kvproof.reference.config import PoolConfig
 from kvproof.reference.errors import InvalidOperation, OutOfMemory
 from kvproof.spec import _ts, obligations, swa_allocator, swa_ring, swa_s3, systems
-from kvproof.spec._solver import Obligation, run
+from kvproof.spec._solver import TEST_BUDGET, Obligation, run
 from kvproof.spec._ts import combine_agrees
 
 #: The reference's operations that change the allocator or read it for the caller (everything but the queries).
@@ -170,7 +170,7 @@ def test_the_ring_system_rejects_a_paged_alloc() -> None:
 @pytest.mark.parametrize("ob", [ob for ob in swa_allocator.OBLIGATIONS if ob.family == swa_ring.FAMILY],
                          ids=lambda ob: ob.name)
 def test_ring_obligations_hold_and_twins_are_refuted(ob: Obligation) -> None:
-    result = run(ob)
+    result = run(ob, **TEST_BUDGET)
     assert result.ok, f"{ob.name}: {result.status}\n{result.detail}"
     if ob.is_twin:
         assert "|" in result.detail or "P = " in result.detail or "page" in result.detail  # a readable counterexample

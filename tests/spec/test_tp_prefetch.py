@@ -16,7 +16,7 @@ import pytest
 import z3
 
 from kvproof.reference import tp_prefetch as tp
-from kvproof.spec import Result, collect, run
+from kvproof.spec import TEST_BUDGET, Result, collect, run
 from kvproof.spec import tp_prefetch as spec
 
 NAMES = {ob.name: ob for ob in spec.OBLIGATIONS}
@@ -26,7 +26,7 @@ OPS = {*spec.SYSTEM.ops, "commit_prefetch", "count_pool_hits"}
 
 @functools.cache
 def result(name: str) -> Result:
-    return run(NAMES[name])
+    return run(NAMES[name], **TEST_BUDGET)
 
 
 def test_the_module_has_the_registry_shape() -> None:
